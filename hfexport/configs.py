@@ -1,0 +1,148 @@
+"""Export configs: one dataclass per backend, with dict / JSON round-trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from hfexport.errors import ConfigError
+
+
+def _encode_dim(value: Any) -> Any:
+    """JSON form of a ``dynamic_shapes`` entry (``Dim``, ``Dim.AUTO``, nested dicts / lists)."""
+    if value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _encode_dim(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode_dim(v) for v in value]
+    if value is torch.export.Dim.AUTO:
+        return {"dim": "auto"}
+    if value is torch.export.Dim.STATIC:
+        return {"dim": "static"}
+    if value is torch.export.Dim.DYNAMIC:
+        return {"dim": "dynamic"}
+    if hasattr(value, "__name__") and hasattr(value, "min"):
+        return {"dim": value.__name__, "min": value.min, "max": value.max}
+    raise ConfigError(f"cannot serialise dynamic_shapes entry {value!r}")
+
+
+def _decode_dim(value: Any, dims: dict[str, Any] | None = None) -> Any:
+    dims = {} if dims is None else dims
+    if isinstance(value, list):
+        return [_decode_dim(v, dims) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if set(value) >= {"dim"} and set(value) <= {"dim", "min", "max"}:
+        name = value["dim"]
+        special = {"auto": "AUTO", "static": "STATIC", "dynamic": "DYNAMIC"}
+        if name in special:
+            return getattr(torch.export.Dim, special[name])
+        # The same name must give the same Dim object: torch.export relates axes by identity.
+        if name not in dims:
+            dims[name] = torch.export.Dim(name, min=value.get("min"), max=value.get("max"))
+        return dims[name]
+    return {int(k) if str(k).isdigit() else k: _decode_dim(v, dims) for k, v in value.items()}
+
+
+@dataclass
+class DynamoConfig:
+    """Config of :class:`~hfexport.DynamoExporter` (and base of the other backends' configs).
+
+    Args:
+        dynamic: mark every axis of every input tensor dynamic (``Dim.AUTO``).
+        dynamic_shapes: explicit ``dynamic_shapes``, forwarded to ``torch.export.export``.
+        prefer_deferred_runtime_asserts_over_guards: forwarded to ``torch.export.export``.
+        strict: forwarded to ``torch.export.export`` (``False``: non-strict tracing).
+        passes: the FX pass list; ``None`` is the backend's default list, else a list of pass
+            names / :class:`~hfexport.Pass` objects or a comma-separated string of names.
+        dump_dir: write per-stage and per-pass dumps and ``report.md`` under this folder.
+        verify: after capture and after each stage, compare the program's outputs with eager
+            PyTorch on the sample inputs and fail at the first stage over ``tolerance``.
+        tolerance: max abs difference allowed by ``verify``; ``None`` is 1e-4 for fp32 models
+            and 1e-2 for half-precision ones.
+    """
+
+    export_format: ClassVar[str] = "dynamo"
+
+    dynamic: bool = False
+    dynamic_shapes: Any = None
+    prefer_deferred_runtime_asserts_over_guards: bool = False
+    strict: bool = False
+    passes: Any = None
+    dump_dir: str | None = None
+    verify: bool = False
+    tolerance: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.passes, str):
+            self.passes = [name.strip() for name in self.passes.split(",") if name.strip()]
+        elif self.passes is not None:
+            self.passes = list(self.passes)
+        if self.dynamic and self.dynamic_shapes is not None:
+            raise ConfigError(
+                "set either dynamic=True (every axis dynamic) or explicit dynamic_shapes, not both"
+            )
+        if self.dump_dir is not None:
+            self.dump_dir = str(self.dump_dir)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict, including ``export_format``; inverse of :meth:`from_dict`."""
+        data: dict[str, Any] = {"export_format": self.export_format}
+        for name in self.field_names():
+            value = getattr(self, name)
+            if name == "dynamic_shapes":
+                value = _encode_dim(value)
+            elif name == "passes" and value is not None:
+                value = [_pass_name(p) for p in value]
+            data[name] = value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DynamoConfig:
+        """Build a config from :meth:`to_dict` output; unknown keys raise :class:`ConfigError`."""
+        data = dict(data)
+        export_format = data.pop("export_format", cls.export_format)
+        if export_format != cls.export_format:
+            raise ConfigError(
+                f"{cls.__name__} is for export_format {cls.export_format!r}, got {export_format!r}; "
+                "use AutoExportConfig.from_dict to pick the config class from the format"
+            )
+        unknown = sorted(set(data) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(
+                f"unknown {cls.__name__} key(s) {', '.join(map(repr, unknown))}; "
+                f"valid keys: {', '.join(cls.field_names())}"
+            )
+        if "dynamic_shapes" in data:
+            data["dynamic_shapes"] = _decode_dim(data["dynamic_shapes"])
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> DynamoConfig:
+        return cls.from_dict(json.loads(text))
+
+
+def _pass_name(item: Any) -> str:
+    from hfexport.pipeline.pass_manager import get_pass
+
+    name = item if isinstance(item, str) else getattr(item, "name", None)
+    if not isinstance(item, str) and (name is None or get_pass(name, missing_ok=True) is not item):
+        raise ConfigError(
+            f"pass {item!r} is not registered, so the config cannot be serialised; "
+            "register it with hfexport.register_pass to refer to it by name"
+        )
+    return name
+
+

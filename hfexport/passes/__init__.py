@@ -1,0 +1,3 @@
+"""Built-in passes; importing this package registers them."""
+
+from hfexport.passes import cleanup  # noqa: F401

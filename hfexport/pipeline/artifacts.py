@@ -1,0 +1,74 @@
+"""What the instruments need to know about a program of each kind: its text, its op histogram,
+how to save it, and how to run it. Lowering modules register their program types here."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ArtifactKind:
+    """How to inspect, save and run one program type."""
+
+    suffix: str  # file suffix at stage boundaries, e.g. ".pt2"
+    text: Callable[[Any], str]
+    histogram: Callable[[Any], Counter]
+    save: Callable[[Any, Path], None]
+    # run(program, inputs) -> flat list of output tensors, in torch.export's output order
+    run: Callable[[Any, dict[str, Any]], list[torch.Tensor]]
+
+
+_KINDS: dict[type, ArtifactKind] = {}
+
+
+def register_artifact_kind(program_type: type, kind: ArtifactKind) -> None:
+    _KINDS[program_type] = kind
+
+
+def artifact_kind(program: Any) -> ArtifactKind:
+    for cls in type(program).__mro__:
+        if cls in _KINDS:
+            return _KINDS[cls]
+    raise TypeError(f"no artifact kind registered for {type(program).__name__}")
+
+
+def node_count(histogram: Counter) -> int:
+    return sum(histogram.values())
+
+
+# --- torch.export ExportedProgram ----------------------------------------------------------------
+
+
+def _ep_histogram(program: torch.export.ExportedProgram) -> Counter:
+    return Counter(
+        str(node.target) if node.op == "call_function" else node.op for node in program.graph.nodes
+    )
+
+
+def _ep_save(program: torch.export.ExportedProgram, path: Path) -> None:
+    torch.export.save(program, path)
+
+
+def _ep_run(program: torch.export.ExportedProgram, inputs: dict[str, Any]) -> list[torch.Tensor]:
+    from hfexport.pipeline.capture import copy_inputs
+
+    with torch.no_grad():
+        outputs = program.module()(**copy_inputs(inputs))
+    return flat_tensors(outputs)
+
+
+def flat_tensors(outputs: Any) -> list[torch.Tensor]:
+    """The tensor leaves of a (pytree) output, in flattening order."""
+    return [leaf for leaf in torch.utils._pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
+
+
+register_artifact_kind(
+    torch.export.ExportedProgram,
+    ArtifactKind(suffix=".pt2", text=str, histogram=_ep_histogram, save=_ep_save, run=_ep_run),
+)

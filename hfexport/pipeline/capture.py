@@ -1,0 +1,222 @@
+"""Capture: model + sample inputs → ``ExportedProgram``, and the dynamic-shape policy.
+
+Capture never changes the user's model or inputs: inputs are copied, the training flags are
+restored, and the registered patches are applied only around ``torch.export`` and restored on
+every path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import sympy
+import torch.utils._pytree as pytree
+from torch.utils._sympy.numbers import int_oo
+
+from hfexport.errors import CaptureError, ConfigError, UnsupportedModelError
+from hfexport.pipeline.patches import patches_applied
+from hfexport.pipeline.pytree import register_cache_pytrees
+
+logger = logging.getLogger("hfexport")
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def normalize_inputs(inputs: Any) -> dict[str, Any]:
+    """The model's keyword inputs as a plain dict (``BatchEncoding`` included), ``None`` dropped."""
+    if not isinstance(inputs, Mapping):
+        raise ConfigError(
+            f"inputs must be a mapping of the model's keyword arguments (e.g. a tokenizer's "
+            f"BatchEncoding or {{'input_ids': ...}}), got {type(inputs).__name__}"
+        )
+    return {str(k): v for k, v in inputs.items() if v is not None}
+
+
+def copy_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of the inputs, so running or tracing never changes the caller's tensors or
+    cache objects."""
+    return copy.deepcopy(inputs)
+
+
+def check_attention_implementation(model: torch.nn.Module) -> None:
+    """Raise :class:`UnsupportedModelError` if any (sub)model uses an attention implementation
+    that no exporter can trace (FlashAttention, FlexAttention, paged, kernels from the Hub)."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation is None or implementation in SUPPORTED_ATTENTION:
+            continue
+        where = f"submodule {name!r} ({type(module).__name__})" if name else type(module).__name__
+        raise UnsupportedModelError(
+            f"{where} uses attn_implementation={implementation!r}, which cannot be exported "
+            f"(FlashAttention and FlexAttention are not traceable). Load the model with "
+            f"attn_implementation='sdpa' (preferred) or 'eager', or call "
+            f"model.set_attn_implementation('sdpa') before exporting."
+        )
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Run with every module in eval mode and gradients off; restore each module's flag after."""
+    flags = [(m, m.training) for m in model.modules()]
+    if model.training:
+        logger.warning(
+            "%s is in training mode; exporting it in eval mode (dropout off). Call model.eval() "
+            "to silence this.",
+            type(model).__name__,
+        )
+    try:
+        model.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+def auto_dynamic_shapes(inputs: dict[str, Any]) -> Any:
+    """``dynamic_shapes`` marking every axis of every input tensor ``Dim.AUTO``."""
+
+    def axes(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return {axis: torch.export.Dim.AUTO for axis in range(leaf.dim())}
+        return None
+
+    return pytree.tree_map(axes, inputs)
+
+
+@dataclass
+class InputAxis:
+    """One axis of one input tensor after capture."""
+
+    input: str
+    axis: int
+    size: int
+    dynamic: bool
+    requested_dynamic: bool
+    min: int | None = None
+    max: int | None = None
+
+    def describe(self) -> str:
+        if self.dynamic:
+            upper = "inf" if self.max is None else self.max
+            return f"dynamic [{self.min}, {upper}]"
+        return f"static {self.size}" + (" (asked dynamic: specialised)" if self.requested_dynamic else "")
+
+
+def _requested_axes(dynamic_shapes: Any, inputs: dict[str, Any]) -> dict[str, set[int]]:
+    """For each top-level input name, the axes the user asked to be dynamic."""
+    requested: dict[str, set[int]] = {}
+    if not isinstance(dynamic_shapes, Mapping):
+        return requested
+    for name, spec in dynamic_shapes.items():
+        if isinstance(spec, Mapping):
+            items = spec.items()
+        elif isinstance(spec, (list, tuple)) and isinstance(inputs.get(name), torch.Tensor):
+            items = enumerate(spec)
+        else:
+            continue
+        requested[name] = {
+            int(axis) for axis, dim in items if dim is not None and dim is not torch.export.Dim.STATIC
+        }
+    return requested
+
+
+def input_axes(
+    program: torch.export.ExportedProgram, inputs: dict[str, Any], dynamic_shapes: Any
+) -> list[InputAxis]:
+    """Every axis of every input tensor: dynamic with its range, or static; and whether the user
+    asked it to be dynamic."""
+    requested = _requested_axes(dynamic_shapes, inputs)
+    user_inputs = [
+        spec.arg.name
+        for spec in program.graph_signature.input_specs
+        if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT
+    ]
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    leaves = pytree.tree_flatten_with_path(inputs)[0]
+    table = []
+    for (path, leaf), placeholder_name in zip(leaves, user_inputs, strict=False):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        name = pytree.keystr(path).lstrip(".").replace("['", "").replace("']", "")
+        top = pytree.keystr(path[:1]).strip("[]'") if path else name
+        fake = placeholders[placeholder_name].meta.get("val")
+        for axis, size in enumerate(fake.shape if fake is not None else leaf.shape):
+            dynamic = isinstance(size, torch.SymInt)
+            row = InputAxis(
+                input=name,
+                axis=axis,
+                size=int(leaf.shape[axis]),
+                dynamic=dynamic,
+                requested_dynamic=axis in requested.get(top, ()) and len(path) == 1,
+            )
+            if dynamic:
+                bounds = program.range_constraints.get(size.node.expr)
+                if bounds is not None:
+                    row.min = int(bounds.lower)
+                    row.max = None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
+            table.append(row)
+    return table
+
+
+def capture(model: torch.nn.Module, inputs: Any, config: Any) -> tuple[torch.export.ExportedProgram, list[InputAxis]]:
+    """Trace ``model(**inputs)`` with ``torch.export`` under the registered patches.
+
+    Returns the program and the input-axes table. Axes the user asked to be dynamic that
+    torch.export specialised (typically a size-1 sample axis) are logged once each.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module (a transformers PreTrainedModel), got {type(model).__name__}")
+    check_attention_implementation(model)
+    register_cache_pytrees()
+    inputs = normalize_inputs(inputs)
+    if config.dynamic:
+        dynamic_shapes = auto_dynamic_shapes(inputs)
+    else:
+        dynamic_shapes = config.dynamic_shapes
+        if isinstance(dynamic_shapes, Mapping):
+            unknown = sorted(set(dynamic_shapes) - set(inputs))
+            if unknown:
+                raise ConfigError(
+                    f"dynamic_shapes names input(s) {unknown} that are not in the inputs; "
+                    f"inputs are: {', '.join(inputs)}"
+                )
+            dynamic_shapes = {name: dynamic_shapes.get(name) for name in inputs}
+    traced_inputs = copy_inputs(inputs)
+    try:
+        with eval_mode(model), patches_applied():
+            program = torch.export.export(
+                model,
+                (),
+                kwargs=traced_inputs,
+                dynamic_shapes=dynamic_shapes,
+                strict=config.strict,
+                prefer_deferred_runtime_asserts_over_guards=config.prefer_deferred_runtime_asserts_over_guards,
+            )
+    except Exception as error:  # torch raises many unrelated types; all mean "capture failed"
+        first_line = str(error).strip().split("\n")[0][:500]
+        raise CaptureError(
+            f"torch.export could not capture {type(model).__name__}: {type(error).__name__}: {first_line}. "
+            "The chained exception has the full trace; if an axis is the problem, try dynamic=True "
+            "or wider Dim bounds, and with explicit Dims prefer_deferred_runtime_asserts_over_guards=True."
+        ) from error
+    table = input_axes(program, inputs, dynamic_shapes)
+    for row in table:
+        if row.requested_dynamic and not row.dynamic:
+            logger.warning(
+                "torch.export specialised input %r axis %d to its sample size %d although it was asked "
+                "to be dynamic; the program only accepts that size on this axis. Export from a sample "
+                "where this axis is larger than 1.",
+                row.input,
+                row.axis,
+                row.size,
+            )
+    return program, table
+

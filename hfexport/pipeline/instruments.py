@@ -1,0 +1,295 @@
+"""Instruments: hooks around every stage and pass (dump, timing and memory, numerics, progress).
+
+Each instrument sees ``start(run)`` once, then ``before`` / ``after`` / ``on_error`` around every
+step (a stage, or a pass inside a pass stage), then ``finish(run, error)``. Instruments that are
+off are simply not in the list, so they cost nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+import torch
+
+from hfexport.errors import VerificationError
+from hfexport.pipeline.artifacts import artifact_kind, flat_tensors, node_count
+
+if TYPE_CHECKING:
+    from hfexport.pipeline.pipeline import PipelineRun
+
+logger = logging.getLogger("hfexport")
+
+
+@dataclass
+class StepRecord:
+    """What happened in one stage or pass."""
+
+    name: str
+    kind: str  # "stage" or "pass"
+    index: int
+    parent: StepRecord | None = None
+    seconds: float | None = None
+    peak_rss_mb: float | None = None
+    nodes_in: int | None = None
+    nodes_out: int | None = None
+    max_abs_diff: float | None = None
+    modified: bool | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+    dump_path: Path | None = None
+    error: str | None = None
+    children: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return f"{self.parent.name}/{self.name}" if self.parent else self.name
+
+    @property
+    def folder(self) -> str:
+        return f"{self.index:02d}_{self.name}"
+
+
+class Instrument:
+    """Base class: every hook is a no-op."""
+
+    def start(self, run: PipelineRun) -> None: ...
+
+    def before(self, step: StepRecord, program: Any) -> None: ...
+
+    def after(self, step: StepRecord, program: Any) -> None: ...
+
+    def on_error(self, step: StepRecord, program: Any, error: BaseException) -> None: ...
+
+    def finish(self, run: PipelineRun, error: BaseException | None) -> None: ...
+
+
+def _histogram(program: Any) -> dict[str, int] | None:
+    try:
+        return dict(artifact_kind(program).histogram(program))
+    except TypeError:
+        return None
+
+
+# --- timing, memory, node counts -------------------------------------------------------------
+
+
+def _read_peak_rss_kb() -> int:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _reset_peak_rss() -> None:
+    # Linux: writing 5 to clear_refs resets VmHWM, so each step gets its own peak.
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
+
+
+class TimingInstrument(Instrument):
+    """Wall time, peak RSS and node counts of every step. Always on (a clock read and a /proc
+    read per step). Peak RSS is per step on Linux (the kernel's high-water mark is reset at each
+    step start and each reading is propagated to the enclosing steps); elsewhere it is the
+    process peak so far."""
+
+    def __init__(self) -> None:
+        self._open: list[tuple[StepRecord, float]] = []
+        self._peaks: dict[int, int] = {}
+
+    def _propagate(self) -> None:
+        peak = _read_peak_rss_kb()
+        for step, _ in self._open:
+            self._peaks[id(step)] = max(self._peaks.get(id(step), 0), peak)
+
+    def before(self, step: StepRecord, program: Any) -> None:
+        self._propagate()
+        _reset_peak_rss()
+        self._open.append((step, time.perf_counter()))
+        histogram = _histogram(program) if program is not None else None
+        step.nodes_in = node_count(histogram) if histogram else None
+
+    def _close(self, step: StepRecord) -> None:
+        self._propagate()
+        _, started = self._open.pop()
+        step.seconds = time.perf_counter() - started
+        step.peak_rss_mb = self._peaks.pop(id(step), 0) / 1024
+
+    def after(self, step: StepRecord, program: Any) -> None:
+        self._close(step)
+        histogram = _histogram(program)
+        step.nodes_out = node_count(histogram) if histogram else None
+
+    def on_error(self, step: StepRecord, program: Any, error: BaseException) -> None:
+        self._close(step)
+        step.error = f"{type(error).__name__}: {error}".split("\n")[0]
+
+
+# --- numerics -----------------------------------------------------------------------------------
+
+
+def max_abs_diff(expected: list[torch.Tensor], actual: list[Any]) -> float:
+    """Max abs difference over matching output tensors; inf when the structures differ or an
+    integer / bool output differs at all."""
+    if len(expected) != len(actual):
+        return float("inf")
+    worst = 0.0
+    for e, a in zip(expected, actual, strict=True):
+        a = torch.as_tensor(a)
+        if tuple(e.shape) != tuple(a.shape):
+            return float("inf")
+        if e.numel() == 0:
+            continue
+        if e.is_floating_point():
+            diff = (e.double() - a.double()).abs()
+            # NaN in the same places on both sides is agreement, NaN on one side is not.
+            diff = torch.where(torch.isnan(e) & torch.isnan(a), torch.zeros_like(diff), diff)
+            worst = max(worst, float(torch.nan_to_num(diff, nan=float("inf")).max()))
+        elif not torch.equal(e, a.to(e.dtype)):
+            return float("inf")
+    return worst
+
+
+class NumericsInstrument(Instrument):
+    """After capture and after each stage, run the program on the sample inputs and compare its
+    outputs with eager PyTorch; raise :class:`VerificationError` at the first stage over the
+    tolerance (default 1e-4 for fp32, 1e-2 for fp16/bf16)."""
+
+    def __init__(self, tolerance: float | None = None) -> None:
+        self.tolerance = tolerance
+        self.reference: list[torch.Tensor] = []
+        self.inputs: dict[str, Any] = {}
+
+    def start(self, run: PipelineRun) -> None:
+        from hfexport.pipeline.capture import copy_inputs, eval_mode
+
+        self.inputs = run.inputs
+        with eval_mode(run.model):
+            self.reference = flat_tensors(run.model(**copy_inputs(run.inputs)))
+        if self.tolerance is None:
+            dtypes = {p.dtype for p in run.model.parameters()}
+            self.tolerance = 1e-2 if dtypes & {torch.float16, torch.bfloat16} else 1e-4
+
+    def after(self, step: StepRecord, program: Any) -> None:
+        if step.kind != "stage":
+            return
+        try:
+            runner = artifact_kind(program).run
+        except TypeError:
+            return
+        step.max_abs_diff = max_abs_diff(self.reference, runner(program, self.inputs))
+        if step.max_abs_diff > self.tolerance:
+            raise VerificationError(
+                f"stage {step.name!r}: outputs differ from eager PyTorch by max abs {step.max_abs_diff:.3g} "
+                f"(tolerance {self.tolerance:g}); this is the first stage over the tolerance. Rerun with "
+                "dump_dir set and compare this stage's graph with the previous one's."
+            )
+
+    def finish(self, run: PipelineRun, error: BaseException | None) -> None:
+        self.reference, self.inputs = [], {}
+
+
+# --- dumps ----------------------------------------------------------------------------------------
+
+
+class DumpInstrument(Instrument):
+    """Write ``dump_dir/NN_<stage>/[NN_<pass>/]`` with ``graph.txt`` and ``stats.json`` after
+    every step, the artifact at every stage boundary, ``pipeline.txt`` and ``report.md``. When a
+    pass fails, its folder gets ``input<suffix>`` (the program it received) and ``repro.txt``
+    (the command replaying just that pass)."""
+
+    def __init__(self, dump_dir: str | Path) -> None:
+        self.root = Path(dump_dir)
+        self._pass_input: Any = None
+
+    def start(self, run: PipelineRun) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "pipeline.txt").write_text(run.pipeline.describe() + "\n")
+
+    def _folder(self, step: StepRecord) -> Path:
+        parts = [step.parent.folder, step.folder] if step.parent else [step.folder]
+        folder = self.root.joinpath(*parts)
+        folder.mkdir(parents=True, exist_ok=True)
+        step.dump_path = folder
+        return folder
+
+    def before(self, step: StepRecord, program: Any) -> None:
+        self._folder(step)
+        if step.kind == "pass":
+            self._pass_input = snapshot(program)
+
+    def after(self, step: StepRecord, program: Any) -> None:
+        folder = self._folder(step)
+        kind = artifact_kind(program)
+        (folder / "graph.txt").write_text(kind.text(program))
+        histogram = dict(sorted(kind.histogram(program).items(), key=lambda item: (-item[1], item[0])))
+        stats = {"nodes": node_count(histogram), "op_histogram": histogram}
+        if step.counts:
+            stats["counts"] = step.counts
+        (folder / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+        if step.kind == "stage":
+            kind.save(program, folder / f"program{kind.suffix}")
+
+    def on_error(self, step: StepRecord, program: Any, error: BaseException) -> None:
+        folder = self._folder(step)
+        (folder / "error.txt").write_text(f"{type(error).__name__}: {error}\n")
+        if step.kind == "pass" and self._pass_input is not None:
+            kind = artifact_kind(self._pass_input)
+            path = folder / f"input{kind.suffix}"
+            kind.save(self._pass_input, path)
+            (folder / "repro.txt").write_text(f"hfexport replay {path} --passes {step.name}\n")
+
+    def finish(self, run: PipelineRun, error: BaseException | None) -> None:
+        (self.root / "report.md").write_text(run.report(error))
+        self._pass_input = None
+
+
+def snapshot(program: Any) -> Any:
+    """A copy of a program's graph that a failing pass cannot have half-rewritten (weights are
+    shared, not copied)."""
+    import copy
+
+    if isinstance(program, torch.export.ExportedProgram):
+        return program._update(copy.deepcopy(program.graph_module), copy.deepcopy(program.graph_signature))
+    return copy.deepcopy(program)
+
+
+class ProgressInstrument(Instrument):
+    """Print one line per stage as it starts and ends (used by the command line)."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.total = 0
+
+    def start(self, run: PipelineRun) -> None:
+        self.total = len(run.pipeline.stages)
+
+    def before(self, step: StepRecord, program: Any) -> None:
+        if step.kind == "stage":
+            print(f"[{step.index + 1}/{self.total}] {step.name} ...", file=self.stream, flush=True)
+
+    def after(self, step: StepRecord, program: Any) -> None:
+        if step.kind == "stage":
+            numerics = "" if step.max_abs_diff is None else f", max abs diff {step.max_abs_diff:.2e}"
+            print(
+                f"[{step.index + 1}/{self.total}] {step.name} done in {step.seconds:.2f}s, "
+                f"peak RSS {step.peak_rss_mb:.0f} MiB, {step.nodes_out} nodes{numerics}",
+                file=self.stream,
+                flush=True,
+            )
+
+    def on_error(self, step: StepRecord, program: Any, error: BaseException) -> None:
+        if step.kind == "stage":
+            print(f"[{step.index + 1}/{self.total}] {step.name} FAILED", file=self.stream, flush=True)

@@ -1,0 +1,249 @@
+"""Passes, the pass registry, ordering constraints, and the PassManager that runs a pass list."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from hfexport.errors import ConfigError, PassError, PassOrderError
+
+
+@dataclass
+class PassResult:
+    """What a pass returns: the (possibly new) program, whether it changed, and named counts
+    (e.g. ``{"rewritten": 3}``)."""
+
+    program: Any
+    modified: bool
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class Pass:
+    """A named program → program rewrite.
+
+    Subclasses set ``name`` (the registry key used in configs, dumps, the CLI and errors), a
+    one-line ``description``, optionally ``stage`` (the pipeline stage it belongs to, e.g.
+    ``"fx_passes"`` or ``"onnx_passes"``) and the ordering constraints ``runs_after`` /
+    ``runs_before`` (names of passes that, when present in the same list, must run before / after
+    this one), and implement ``__call__``.
+
+    A pass on an ``ExportedProgram`` rewrites ``program.graph_module`` in place or returns a new
+    program; either way it must keep the graph signature valid (same placeholders, same number
+    of outputs), so no pass ever forces a re-export.
+    """
+
+    name: str = ""
+    description: str = ""
+    stage: str = "fx_passes"
+    runs_after: tuple[str, ...] = ()
+    runs_before: tuple[str, ...] = ()
+
+    def __call__(self, program: Any) -> PassResult:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name}>"
+
+
+class FunctionPass(Pass):
+    """A pass made from a function ``fn(program) -> PassResult`` (see :func:`register_pass`)."""
+
+    def __init__(
+        self,
+        fn: Callable[[Any], PassResult],
+        name: str,
+        *,
+        description: str = "",
+        stage: str = "fx_passes",
+        runs_after: Iterable[str] = (),
+        runs_before: Iterable[str] = (),
+    ) -> None:
+        self.fn = fn
+        self.name = name
+        self.description = description or (inspect.getdoc(fn) or "").split("\n")[0]
+        self.stage = stage
+        self.runs_after = tuple(runs_after)
+        self.runs_before = tuple(runs_before)
+
+    def __call__(self, program: Any) -> PassResult:
+        return self.fn(program)
+
+
+_REGISTRY: dict[str, Pass] = {}
+
+
+def register_pass(
+    obj: Any = None,
+    *,
+    name: str | None = None,
+    stage: str = "fx_passes",
+    runs_after: Iterable[str] = (),
+    runs_before: Iterable[str] = (),
+) -> Any:
+    """Register a pass under its name. Use on a :class:`Pass` instance or subclass, or as a
+    decorator on a function ``fn(program) -> PassResult`` (``@register_pass`` or
+    ``@register_pass(name=..., runs_after=[...])``). Returns the registered object."""
+
+    def register(target: Any) -> Any:
+        if isinstance(target, Pass):
+            instance = target
+        elif isinstance(target, type) and issubclass(target, Pass):
+            instance = target()
+        else:
+            instance = FunctionPass(
+                target, name or target.__name__, stage=stage, runs_after=runs_after, runs_before=runs_before
+            )
+        if not instance.name:
+            raise ConfigError(f"pass {target!r} has no name")
+        _REGISTRY[instance.name] = instance
+        return target if isinstance(target, type) else instance
+
+    return register if obj is None else register(obj)
+
+
+def get_pass(name: str, *, missing_ok: bool = False) -> Pass | None:
+    """The registered pass called ``name``; unknown names raise :class:`ConfigError` listing the
+    registered ones."""
+    _load_builtin_passes()
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if missing_ok:
+        return None
+    raise ConfigError(f"unknown pass {name!r}; registered passes: {', '.join(sorted(_REGISTRY))}")
+
+
+def registered_passes() -> dict[str, Pass]:
+    """All registered passes by name."""
+    _load_builtin_passes()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def _load_builtin_passes() -> None:
+    import hfexport.passes  # noqa: F401  (registers the built-in passes on import)
+
+
+def resolve_passes(items: Iterable[str | Pass]) -> list[Pass]:
+    """Turn a list of pass names / pass objects into pass objects."""
+    resolved = []
+    for item in items:
+        if isinstance(item, str):
+            resolved.append(get_pass(item))
+        elif isinstance(item, Pass):
+            resolved.append(item)
+        else:
+            raise ConfigError(f"{item!r} is not a pass name or a Pass object")
+    return resolved
+
+
+def check_order(passes: Sequence[Pass]) -> None:
+    """Raise :class:`PassOrderError` if ``passes`` breaks a declared ordering constraint.
+
+    The constraints among the passes present form a directed graph (edge a → b: a must run before
+    b); a cycle is an error, and so is any edge that points backwards in the list. The list is
+    never reordered.
+    """
+    position = {p.name: i for i, p in enumerate(passes)}
+    graph = nx.DiGraph()
+    graph.add_nodes_from(position)
+    for p in passes:
+        graph.add_edges_from((before, p.name) for before in p.runs_after if before in position)
+        graph.add_edges_from((p.name, after) for after in p.runs_before if after in position)
+    try:
+        cycle = nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        cycle = None
+    if cycle:
+        names = " -> ".join([a for a, _ in cycle] + [cycle[0][0]])
+        raise PassOrderError(f"pass ordering constraints form a cycle: {names}")
+    for before, after in graph.edges:
+        if position[before] > position[after]:
+            raise PassOrderError(
+                f"pass {before!r} must run before pass {after!r}, but the list has it after; "
+                f"move {before!r} earlier (list: {', '.join(position)})"
+            )
+
+
+def check_signature(program: Any, before: tuple[list[str], int], pass_name: str) -> None:
+    """Raise :class:`PassError` if a pass changed the placeholders or the output count of an
+    ``ExportedProgram``."""
+    after = signature_of(program)
+    if after is not None and after != before:
+        raise PassError(
+            f"pass {pass_name!r} changed the program signature (placeholders {before[0]} -> {after[0]}, "
+            f"outputs {before[1]} -> {after[1]}); a pass must keep inputs and outputs intact"
+        )
+
+
+def signature_of(program: Any) -> tuple[list[str], int] | None:
+    graph = getattr(program, "graph", None)
+    if graph is None or not hasattr(program, "graph_signature"):
+        return None
+    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    return placeholders, len(output.args[0])
+
+
+class PassManager:
+    """An ordered, editable list of passes. ``passes`` is a plain list of :class:`Pass` objects;
+    :meth:`insert`, :meth:`remove` and :meth:`replace` accept names."""
+
+    def __init__(self, passes: Iterable[str | Pass] = ()) -> None:
+        self.passes: list[Pass] = resolve_passes(passes)
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+    def __str__(self) -> str:
+        return ",".join(self.names)
+
+    def index(self, name: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise ConfigError(f"pass {name!r} is not in the list ({self})") from None
+
+    def insert(self, index: int | str, item: str | Pass, *, after: bool = False) -> None:
+        """Insert ``item`` at ``index``, or before (``after=True``: after) the pass named ``index``."""
+        position = self.index(index) + int(after) if isinstance(index, str) else index
+        self.passes.insert(position, resolve_passes([item])[0])
+
+    def remove(self, name: str) -> None:
+        del self.passes[self.index(name)]
+
+    def replace(self, name: str, item: str | Pass) -> None:
+        self.passes[self.index(name)] = resolve_passes([item])[0]
+
+    def check(self) -> None:
+        check_order(self.passes)
+
+
+def graph_pass(
+    name: str | None = None,
+    *,
+    runs_after: Iterable[str] = (),
+    runs_before: Iterable[str] = (),
+) -> Callable[[Callable[[Any], int]], Pass]:
+    """Register ``fn(graph_module) -> int`` as an in-place pass over an ``ExportedProgram``'s graph.
+
+    ``fn`` rewrites ``program.graph_module`` and returns how many matches it rewrote; the pass
+    lints and recompiles the graph and reports ``{"rewritten": n}``.
+    """
+
+    def wrap(fn: Callable[[Any], int]) -> Pass:
+        def run(program: Any) -> PassResult:
+            graph_module = program.graph_module
+            rewritten = fn(graph_module)
+            if rewritten:
+                graph_module.graph.lint()
+                graph_module.recompile()
+            return PassResult(program, modified=bool(rewritten), counts={"rewritten": rewritten})
+
+        run.__doc__ = fn.__doc__
+        return register_pass(run, name=name or fn.__name__, runs_after=runs_after, runs_before=runs_before)
+
+    return wrap

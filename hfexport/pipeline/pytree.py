@@ -1,0 +1,163 @@
+"""Pytree registration for transformers cache objects.
+
+``torch.export`` only accepts inputs and outputs it can flatten into tensors. transformers' caches
+(``DynamicCache``, ``StaticCache``, ``EncoderDecoderCache``, …) are plain Python objects holding
+layer objects, so we register each cache class and each cache-layer class as a pytree node:
+
+- the children are the attributes holding tensors, layers, nested caches or lists of those
+  (``layers``, ``keys``, ``values``, ``cumulative_length``, ``self_attention_cache``, …);
+- every other attribute (``max_cache_len``, ``is_initialized``, ``dtype``, …) goes into the context,
+  encoded as JSON-compatible values so ``torch.export.save`` / ``load`` round-trip the spec.
+
+Leaves are named by attribute path (``past_key_values.layers.0.keys``), which later stages use for
+readable input and output names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+_REGISTERED: set[type] = set()
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _resolve(path: str) -> Any:
+    module, _, qualname = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _is_child(value: Any) -> bool:
+    if isinstance(value, torch.Tensor) or type(value) in _REGISTERED:
+        return True
+    if isinstance(value, (list, tuple)) and value:
+        return all(_is_child(v) for v in value)
+    return False
+
+
+def _encode(value: Any) -> Any:
+    """Encode a non-tensor attribute as a JSON-compatible, hashable value."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, type):
+        return {"class": _qualified(value)}
+    if isinstance(value, (list, tuple)):
+        return {"list" if isinstance(value, list) else "tuple": [_encode(v) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    raise TypeError(
+        f"cannot flatten attribute of type {type(value).__name__} into a pytree context; "
+        "register a custom flatten function for this cache class"
+    )
+
+
+def _decode(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return value
+    ((kind, payload),) = value.items()
+    if kind == "dtype":
+        return getattr(torch, payload)
+    if kind == "device":
+        return torch.device(payload)
+    if kind == "class":
+        return _resolve(payload)
+    if kind == "list":
+        return [_decode(v) for v in payload]
+    if kind == "tuple":
+        return tuple(_decode(v) for v in payload)
+    if kind == "dict":
+        return {_decode(k): _decode(v) for k, v in payload}
+    raise ValueError(f"unknown encoded context entry {kind!r}")
+
+
+def _split(obj: Any) -> tuple[list[str], list[Any], str]:
+    names, children, static = [], [], {}
+    for name, value in vars(obj).items():
+        if _is_child(value):
+            names.append(name)
+            children.append(list(value) if isinstance(value, tuple) else value)
+        else:
+            static[name] = _encode(value)
+    # The context is a JSON string: hashable, comparable and directly serialisable.
+    context = json.dumps({"class": _qualified(type(obj)), "children": names, "static": static}, sort_keys=True)
+    return names, children, context
+
+
+def _flatten(obj: Any) -> tuple[list[Any], str]:
+    _, children, context = _split(obj)
+    return children, context
+
+
+def _flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], str]:
+    names, children, context = _split(obj)
+    return [(pytree.GetAttrKey(n), c) for n, c in zip(names, children, strict=True)], context
+
+
+def _unflatten(values: Any, context: str) -> Any:
+    spec = json.loads(context)
+    obj = object.__new__(_resolve(spec["class"]))
+    state = {name: _decode(value) for name, value in spec["static"].items()}
+    state.update(zip(spec["children"], values, strict=True))
+    obj.__dict__.update(state)
+    return obj
+
+
+def register_pytree_node(cls: type) -> type:
+    """Register ``cls`` (a cache, a cache layer, or any object holding tensors in attributes) as a
+    pytree node so it can be an input or output of an exported program. Idempotent; returns ``cls``.
+    """
+    if cls in _REGISTERED or cls in pytree.SUPPORTED_NODES:
+        _REGISTERED.add(cls)
+        return cls
+    _REGISTERED.add(cls)
+    pytree.register_pytree_node(
+        cls,
+        _flatten,
+        _unflatten,
+        serialized_type_name=_qualified(cls),
+        flatten_with_keys_fn=_flatten_with_keys,
+        to_dumpable_context=lambda context: context,
+        from_dumpable_context=lambda dumped: dumped,
+    )
+    return cls
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, stack = [], [cls]
+    while stack:
+        current = stack.pop()
+        found.append(current)
+        stack.extend(current.__subclasses__())
+    return found
+
+
+def register_cache_pytrees() -> None:
+    """Register every transformers cache and cache-layer class currently defined (idempotent).
+
+    Called before each capture, so cache classes defined by modeling files imported since the
+    last call are picked up too.
+    """
+    from transformers import cache_utils
+
+    roots = [cache_utils.Cache, cache_utils.CacheLayerMixin, cache_utils.DummyLayer]
+    roots += [getattr(cache_utils, "LinearAttentionCacheLayerMixin")] if hasattr(
+        cache_utils, "LinearAttentionCacheLayerMixin"
+    ) else []
+    for root in roots:
+        for cls in _subclasses(root):
+            if not getattr(cls, "__abstractmethods__", None) and cls not in _REGISTERED:
+                register_pytree_node(cls)
