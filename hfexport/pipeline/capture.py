@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -28,14 +29,27 @@ logger = logging.getLogger("hfexport")
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
-def normalize_inputs(inputs: Any) -> dict[str, Any]:
-    """The model's keyword inputs as a plain dict (``BatchEncoding`` included), ``None`` dropped."""
+# transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` and takes the old name
+# through ``**kwargs``; torch.export cannot match dynamic shapes given for a ``**kwargs`` entry, so
+# the old name is passed under the new one.
+_RENAMED_INPUTS = {"past_key_values": "cache"}
+
+
+def normalize_inputs(inputs: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """The model's keyword inputs as a new plain dict (``BatchEncoding`` included), ``None``
+    dropped, and deprecated names that ``forward`` now spells differently renamed."""
     if not isinstance(inputs, Mapping):
         raise ConfigError(
             f"inputs must be a mapping of the model's keyword arguments (e.g. a tokenizer's "
             f"BatchEncoding or {{'input_ids': ...}}), got {type(inputs).__name__}"
         )
-    return {str(k): v for k, v in inputs.items() if v is not None}
+    normalized = {str(k): v for k, v in inputs.items() if v is not None}
+    if model is not None:
+        parameters = inspect.signature(model.forward).parameters
+        for old, new in _RENAMED_INPUTS.items():
+            if old in normalized and old not in parameters and new in parameters and new not in normalized:
+                normalized[new] = normalized.pop(old)
+    return normalized
 
 
 def copy_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -81,14 +95,26 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 def auto_dynamic_shapes(inputs: dict[str, Any]) -> Any:
-    """``dynamic_shapes`` marking every axis of every input tensor ``Dim.AUTO``."""
+    """``dynamic_shapes`` marking every axis of every input tensor ``Dim.AUTO``.
 
-    def axes(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return {axis: torch.export.Dim.AUTO for axis in range(leaf.dim())}
+    torch.export expects a registered custom pytree node (a cache) to be described by the list of
+    its children's specs, so those are expanded one level at a time.
+    """
+
+    def axes(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {axis: torch.export.Dim.AUTO for axis in range(value.dim())}
+        if isinstance(value, dict):
+            return {key: axes(item) for key, item in value.items()}
+        if type(value) in (list, tuple):
+            return type(value)(axes(item) for item in value)
+        node = pytree.SUPPORTED_NODES.get(type(value))
+        if node is not None:
+            children, _ = node.flatten_fn(value)
+            return [axes(child) for child in children]
         return None
 
-    return pytree.tree_map(axes, inputs)
+    return {name: axes(value) for name, value in inputs.items()}
 
 
 @dataclass
@@ -176,7 +202,7 @@ def capture(model: torch.nn.Module, inputs: Any, config: Any) -> tuple[torch.exp
         raise ConfigError(f"model must be a torch.nn.Module (a transformers PreTrainedModel), got {type(model).__name__}")
     check_attention_implementation(model)
     register_cache_pytrees()
-    inputs = normalize_inputs(inputs)
+    inputs = normalize_inputs(inputs, model)
     if config.dynamic:
         dynamic_shapes = auto_dynamic_shapes(inputs)
     else:

@@ -260,10 +260,13 @@ def snapshot(program: Any) -> Any:
     """A copy of a program's graph that a failing pass cannot have half-rewritten (weights are
     shared, not copied)."""
     import copy
+    import warnings
 
-    if isinstance(program, torch.export.ExportedProgram):
-        return program._update(copy.deepcopy(program.graph_module), copy.deepcopy(program.graph_signature))
-    return copy.deepcopy(program)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own LeafSpec deprecation on copy
+        if isinstance(program, torch.export.ExportedProgram):
+            return program._update(copy.deepcopy(program.graph_module), copy.deepcopy(program.graph_signature))
+        return copy.deepcopy(program)
 
 
 class ProgressInstrument(Instrument):

@@ -221,6 +221,16 @@ class PassManager:
     def check(self) -> None:
         check_order(self.passes)
 
+    def run(self, program: Any, log: Callable[[str], None] | None = None) -> Any:
+        """Run the passes on ``program`` without a pipeline (used by ``hfexport replay``)."""
+        self.check()
+        for pass_ in self.passes:
+            result = pass_(program)
+            program = result.program
+            if log:
+                log(f"{pass_.name}: modified={result.modified} {result.counts}")
+        return program
+
 
 def graph_pass(
     name: str | None = None,

@@ -149,7 +149,7 @@ def stage_table(records: Sequence[StepRecord]) -> str:
             f"{nodes} | {fmt(record.max_abs_diff, '.2e')} | {notes} |"
         )
         for child in record.children:
-            add(child, "&nbsp;&nbsp;")
+            add(child, "↳ ")
 
     for record in records:
         add(record, "")
@@ -221,7 +221,7 @@ class Pipeline:
             if isinstance(stage, PassStage):
                 stage.manager.check()  # reject a bad order before spending time on capture
         register_cache_pytrees()  # before anything flattens a model output (eager reference included)
-        run = PipelineRun(self, model, normalize_inputs(inputs), config, self.instruments)
+        run = PipelineRun(self, model, normalize_inputs(inputs, model), config, self.instruments)
         error: BaseException | None = None
         captured = program = None
         try:

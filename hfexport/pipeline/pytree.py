@@ -84,10 +84,15 @@ def _decode(value: Any) -> Any:
     raise ValueError(f"unknown encoded context entry {kind!r}")
 
 
+# Token counters that change with the input length: during tracing they are SymInts, so they are
+# children (leaves) rather than context, which must be a constant.
+_COUNTERS = frozenset({"cumulative_length"})
+
+
 def _split(obj: Any) -> tuple[list[str], list[Any], str]:
     names, children, static = [], [], {}
     for name, value in vars(obj).items():
-        if _is_child(value):
+        if _is_child(value) or (name in _COUNTERS and isinstance(value, (int, torch.SymInt))):
             names.append(name)
             children.append(list(value) if isinstance(value, tuple) else value)
         else:

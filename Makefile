@@ -1,0 +1,37 @@
+# `make demo` and `make test` set everything up on a fresh machine (Python 3.11 + pip).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.hfexport-installed
+DEMO_OUT := out/demo
+
+.PHONY: demo test test-all lint install clean
+
+install: $(STAMP)
+
+# torch is installed first and on its own: `pip install torch==2.13.0` takes the CPU wheel from
+# the local disk, so the resolver never pulls a CUDA build for the other packages.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[all,dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	rm -rf $(DEMO_OUT)
+	$(VENV)/bin/hfexport export tiny-llama --format dynamo --dynamic --verify \
+		--out $(DEMO_OUT) --dump-dir $(DEMO_OUT)/dumps
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hfexport tests benchmarks
+	$(VENV)/bin/ruff format --check hfexport tests benchmarks
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,107 @@
+"""Built-in tiny random models (no download): for the command line, the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A tiny model: a transformers config class name, its kwargs, and the model class."""
+
+    config_class: str
+    config_kwargs: dict[str, Any]
+    model_class: str
+
+    def build_config(self, **overrides: Any) -> Any:
+        import transformers
+
+        return getattr(transformers, self.config_class)(**{**self.config_kwargs, **overrides})
+
+    def build(self, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+        """A randomly initialised model in eval mode (same weights for the same seed)."""
+        import transformers
+
+        torch.manual_seed(seed)
+        config = self.build_config(**overrides)
+        config._attn_implementation = "sdpa"
+        return getattr(transformers, self.model_class)(config).eval()
+
+
+_DECODER = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+PRESETS: dict[str, Preset] = {
+    "tiny-llama": Preset("LlamaConfig", _DECODER, "LlamaForCausalLM"),
+    "tiny-qwen3": Preset("Qwen3Config", {**_DECODER, "head_dim": 16}, "Qwen3ForCausalLM"),
+    "tiny-qwen3-moe": Preset(
+        "Qwen3MoeConfig",
+        {**_DECODER, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
+        "Qwen3MoeForCausalLM",
+    ),
+    "tiny-mistral": Preset("MistralConfig", _DECODER, "MistralForCausalLM"),
+    "tiny-phi3": Preset("Phi3Config", {**_DECODER, "num_key_value_heads": 4, "pad_token_id": 0}, "Phi3ForCausalLM"),
+    "tiny-gemma3": Preset(
+        "Gemma3TextConfig",
+        {**_DECODER, "head_dim": 16, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+        "Gemma3ForCausalLM",
+    ),
+    "tiny-gpt2": Preset(
+        "GPT2Config", {"vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512}, "GPT2LMHeadModel"
+    ),
+    "tiny-bert": Preset(
+        "BertConfig",
+        {
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 512,
+        },
+        "BertModel",
+    ),
+}
+
+
+def sample_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 8, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random token ids in the model's vocabulary and an all-ones attention mask."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = int(getattr(model.config, "vocab_size", 128))
+    return {
+        "input_ids": torch.randint(0, vocab, (batch, seq), generator=generator),
+        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+    }
+
+
+def load_model(name_or_path: str) -> torch.nn.Module:
+    """A preset by name, or a saved transformers model from a local folder (its config's
+    ``architectures`` picks the class)."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path].build()
+    folder = Path(name_or_path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a folder holding a saved "
+            "transformers model (config.json + weights, as written by save_pretrained)"
+        )
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    architecture = (config.architectures or [None])[0]
+    model_class: Callable[..., Any] = getattr(transformers, architecture, None) if architecture else None
+    if model_class is None:
+        model_class = transformers.AutoModel
+    return model_class.from_pretrained(folder, attn_implementation="sdpa").eval()
