@@ -30,6 +30,7 @@ from hfexport.pipeline.pass_manager import (
 from hfexport.pipeline.patches import PATCHES, Patch, patches_applied, register_patch
 from hfexport.pipeline.pipeline import Pipeline, PipelineResult
 from hfexport.pipeline.pytree import register_pytree_node
+from hfexport.runtime import load_exported_program
 
 __all__ = [
     "PATCHES",
@@ -56,6 +57,7 @@ __all__ = [
     "VerificationError",
     "get_pass",
     "graph_pass",
+    "load_exported_program",
     "patches_applied",
     "register_backend",
     "register_pass",

@@ -59,10 +59,9 @@ def _replay(args: argparse.Namespace) -> int:
     import torch
 
     from hfexport.pipeline.pass_manager import PassManager
-    from hfexport.pipeline.pytree import register_cache_pytrees
+    from hfexport.runtime import load_exported_program
 
-    register_cache_pytrees()
-    program = torch.export.load(args.program)
+    program = load_exported_program(args.program)
     manager = PassManager(args.passes)
     program = manager.run(program, log=lambda line: print(line, file=sys.stderr))
     if args.out:
@@ -74,7 +73,9 @@ def _replay(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from hfexport.auto import BACKENDS
 
-    parser = argparse.ArgumentParser(prog="hfexport", description="Export transformers models through a staged pipeline.")
+    parser = argparse.ArgumentParser(
+        prog="hfexport", description="Export transformers models through a staged pipeline."
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -104,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.run(args)
     except (HfExportError, FileNotFoundError) as error:

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 
 from hfexport.errors import ConfigError
+from hfexport.pipeline.pass_manager import split_pass_list
 
 
 def _encode_dim(value: Any) -> Any:
@@ -79,14 +80,10 @@ class DynamoConfig:
     tolerance: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.passes, str):
-            self.passes = [name.strip() for name in self.passes.split(",") if name.strip()]
-        elif self.passes is not None:
-            self.passes = list(self.passes)
+        if self.passes is not None:
+            self.passes = split_pass_list(self.passes)
         if self.dynamic and self.dynamic_shapes is not None:
-            raise ConfigError(
-                "set either dynamic=True (every axis dynamic) or explicit dynamic_shapes, not both"
-            )
+            raise ConfigError("set either dynamic=True (every axis dynamic) or explicit dynamic_shapes, not both")
         if self.dump_dir is not None:
             self.dump_dir = str(self.dump_dir)
 
@@ -144,5 +141,3 @@ def _pass_name(item: Any) -> str:
             "register it with hfexport.register_pass to refer to it by name"
         )
     return name
-
-

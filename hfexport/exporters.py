@@ -49,7 +49,11 @@ class HfExporter:
         return Pipeline.for_config(stages, config, instruments)
 
     def run(
-        self, model: torch.nn.Module, inputs: Any, config: DynamoConfig | None = None, instruments: tuple[Instrument, ...] = ()
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        config: DynamoConfig | None = None,
+        instruments: tuple[Instrument, ...] = (),
     ) -> PipelineResult:
         """Export and return the whole :class:`PipelineResult` (program, per-step records, report)."""
         config = self._check_config(config)

@@ -59,7 +59,9 @@ PRESETS: dict[str, Preset] = {
         "Gemma3ForCausalLM",
     ),
     "tiny-gpt2": Preset(
-        "GPT2Config", {"vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512}, "GPT2LMHeadModel"
+        "GPT2Config",
+        {"vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512},
+        "GPT2LMHeadModel",
     ),
     "tiny-bert": Preset(
         "BertConfig",

@@ -46,9 +46,7 @@ def node_count(histogram: Counter) -> int:
 
 
 def _ep_histogram(program: torch.export.ExportedProgram) -> Counter:
-    return Counter(
-        str(node.target) if node.op == "call_function" else node.op for node in program.graph.nodes
-    )
+    return Counter(str(node.target) if node.op == "call_function" else node.op for node in program.graph.nodes)
 
 
 def _ep_save(program: torch.export.ExportedProgram, path: Path) -> None:

@@ -15,8 +15,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import sympy
+import torch
 import torch.utils._pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
@@ -81,8 +81,7 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
     flags = [(m, m.training) for m in model.modules()]
     if model.training:
         logger.warning(
-            "%s is in training mode; exporting it in eval mode (dropout off). Call model.eval() "
-            "to silence this.",
+            "%s is in training mode; exporting it in eval mode (dropout off). Call model.eval() to silence this.",
             type(model).__name__,
         )
     try:
@@ -148,15 +147,11 @@ def _requested_axes(dynamic_shapes: Any, inputs: dict[str, Any]) -> dict[str, se
             items = enumerate(spec)
         else:
             continue
-        requested[name] = {
-            int(axis) for axis, dim in items if dim is not None and dim is not torch.export.Dim.STATIC
-        }
+        requested[name] = {int(axis) for axis, dim in items if dim is not None and dim is not torch.export.Dim.STATIC}
     return requested
 
 
-def input_axes(
-    program: torch.export.ExportedProgram, inputs: dict[str, Any], dynamic_shapes: Any
-) -> list[InputAxis]:
+def input_axes(program: torch.export.ExportedProgram, inputs: dict[str, Any], dynamic_shapes: Any) -> list[InputAxis]:
     """Every axis of every input tensor: dynamic with its range, or static; and whether the user
     asked it to be dynamic."""
     requested = _requested_axes(dynamic_shapes, inputs)
@@ -199,7 +194,9 @@ def capture(model: torch.nn.Module, inputs: Any, config: Any) -> tuple[torch.exp
     torch.export specialised (typically a size-1 sample axis) are logged once each.
     """
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module (a transformers PreTrainedModel), got {type(model).__name__}")
+        raise ConfigError(
+            f"model must be a torch.nn.Module (a transformers PreTrainedModel), got {type(model).__name__}"
+        )
     check_attention_implementation(model)
     register_cache_pytrees()
     inputs = normalize_inputs(inputs, model)
@@ -245,4 +242,3 @@ def capture(model: torch.nn.Module, inputs: Any, config: Any) -> tuple[torch.exp
                 row.size,
             )
     return program, table
-

@@ -126,9 +126,17 @@ def _load_builtin_passes() -> None:
     import hfexport.passes  # noqa: F401  (registers the built-in passes on import)
 
 
-def resolve_passes(items: Iterable[str | Pass]) -> list[Pass]:
-    """Turn a list of pass names / pass objects into pass objects."""
+def split_pass_list(items: str | Iterable[str | Pass]) -> list[str | Pass]:
+    """A pass list as a list: a comma-separated string of names is split."""
+    if isinstance(items, str):
+        return [name.strip() for name in items.split(",") if name.strip()]
+    return list(items)
+
+
+def resolve_passes(items: str | Iterable[str | Pass]) -> list[Pass]:
+    """Turn a pass list (names, pass objects, or a comma-separated string) into pass objects."""
     resolved = []
+    items = split_pass_list(items)
     for item in items:
         if isinstance(item, str):
             resolved.append(get_pass(item))
@@ -191,7 +199,7 @@ class PassManager:
     """An ordered, editable list of passes. ``passes`` is a plain list of :class:`Pass` objects;
     :meth:`insert`, :meth:`remove` and :meth:`replace` accept names."""
 
-    def __init__(self, passes: Iterable[str | Pass] = ()) -> None:
+    def __init__(self, passes: str | Iterable[str | Pass] = ()) -> None:
         self.passes: list[Pass] = resolve_passes(passes)
 
     @property

@@ -17,8 +17,8 @@ from hfexport.pipeline.instruments import (
     StepRecord,
     TimingInstrument,
 )
-from hfexport.pipeline.pytree import register_cache_pytrees
 from hfexport.pipeline.pass_manager import PassManager, PassResult, check_signature, signature_of
+from hfexport.pipeline.pytree import register_cache_pytrees
 
 
 class Stage:
@@ -81,7 +81,9 @@ def _apply(pass_: Any, program: Any, step: StepRecord, done: list[str]) -> Any:
         if isinstance(error, PassError):
             raise
         before = ", ".join(done) or "none"
-        raise PassError(f"pass {pass_.name!r} failed ({type(error).__name__}: {error}); passes before it: {before}") from error
+        raise PassError(
+            f"pass {pass_.name!r} failed ({type(error).__name__}: {error}); passes before it: {before}"
+        ) from error
     step.modified = result.modified
     step.counts = dict(result.counts)
     return result.program
@@ -140,7 +142,11 @@ def stage_table(records: Sequence[StepRecord]) -> str:
         return "" if value is None else format(value, spec)
 
     def add(record: StepRecord, indent: str) -> None:
-        nodes = "" if record.nodes_out is None else f"{record.nodes_in if record.nodes_in is not None else '–'} → {record.nodes_out}"
+        nodes = (
+            ""
+            if record.nodes_out is None
+            else f"{record.nodes_in if record.nodes_in is not None else '–'} → {record.nodes_out}"
+        )
         notes = record.error or ", ".join(f"{k}={v}" for k, v in record.counts.items())
         if record.modified is False and not record.error:
             notes = notes or "no change"

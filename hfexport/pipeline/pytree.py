@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-_REGISTERED: set[type] = set()
+_REGISTERED: dict[str, type] = {}  # qualified name -> class
+_REGISTERED_TYPES: set[type] = set()
 
 
 def _qualified(cls: type) -> str:
@@ -38,7 +39,7 @@ def _resolve(path: str) -> Any:
 
 
 def _is_child(value: Any) -> bool:
-    if isinstance(value, torch.Tensor) or type(value) in _REGISTERED:
+    if isinstance(value, torch.Tensor) or type(value) in _REGISTERED_TYPES:
         return True
     if isinstance(value, (list, tuple)) and value:
         return all(_is_child(v) for v in value)
@@ -114,7 +115,8 @@ def _flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], str]:
 
 def _unflatten(values: Any, context: str) -> Any:
     spec = json.loads(context)
-    obj = object.__new__(_resolve(spec["class"]))
+    cls = _REGISTERED.get(spec["class"]) or _resolve(spec["class"])
+    obj = object.__new__(cls)
     state = {name: _decode(value) for name, value in spec["static"].items()}
     state.update(zip(spec["children"], values, strict=True))
     obj.__dict__.update(state)
@@ -125,10 +127,13 @@ def register_pytree_node(cls: type) -> type:
     """Register ``cls`` (a cache, a cache layer, or any object holding tensors in attributes) as a
     pytree node so it can be an input or output of an exported program. Idempotent; returns ``cls``.
     """
-    if cls in _REGISTERED or cls in pytree.SUPPORTED_NODES:
-        _REGISTERED.add(cls)
+    already = cls in pytree.SUPPORTED_NODES
+    _REGISTERED[_qualified(cls)] = cls
+    _REGISTERED_TYPES.add(cls)
+    # A saved program pickles its example inputs; let torch.load (weights_only) rebuild them.
+    torch.serialization.add_safe_globals([cls])
+    if already:
         return cls
-    _REGISTERED.add(cls)
     pytree.register_pytree_node(
         cls,
         _flatten,
@@ -159,10 +164,10 @@ def register_cache_pytrees() -> None:
     from transformers import cache_utils
 
     roots = [cache_utils.Cache, cache_utils.CacheLayerMixin, cache_utils.DummyLayer]
-    roots += [getattr(cache_utils, "LinearAttentionCacheLayerMixin")] if hasattr(
-        cache_utils, "LinearAttentionCacheLayerMixin"
-    ) else []
+    roots += (
+        [cache_utils.LinearAttentionCacheLayerMixin] if hasattr(cache_utils, "LinearAttentionCacheLayerMixin") else []
+    )
     for root in roots:
         for cls in _subclasses(root):
-            if not getattr(cls, "__abstractmethods__", None) and cls not in _REGISTERED:
+            if not getattr(cls, "__abstractmethods__", None) and cls not in pytree.SUPPORTED_NODES:
                 register_pytree_node(cls)

@@ -1,0 +1,78 @@
+"""The hfexport command line, run as a real subprocess."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from models import build, sample_inputs
+
+from hfexport.runtime import load_exported_program
+
+HFEXPORT = [sys.executable, "-m", "hfexport.cli"]
+
+
+def run(*args, check=True):
+    result = subprocess.run([*HFEXPORT, *map(str, args)], capture_output=True, text=True, env={**os.environ})
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_export_preset_with_dumps_and_verify(tmp_path):
+    out, dumps = tmp_path / "out", tmp_path / "dumps"
+    result = run("export", "tiny-llama", "--format", "dynamo", "--out", out, "--dump-dir", dumps, "--verify")
+    assert (out / "model.pt2").is_file()
+    report = (dumps / "report.md").read_text()
+    assert "| capture |" in report and "| fx_passes |" in report
+    assert "[1/2] capture" in result.stderr and "[2/2] fx_passes done" in result.stderr  # progress
+    assert "| step | time (s)" in result.stdout  # the stage table
+    program = load_exported_program(out / "model.pt2")
+    model = build("tiny-llama")
+    inputs = sample_inputs(model)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(**inputs).logits, model(**inputs).logits, atol=1e-4, rtol=0)
+
+
+def test_export_local_folder_with_pass_list(tmp_path):
+    model = build("tiny-qwen3")
+    model.save_pretrained(tmp_path / "saved")
+    out = tmp_path / "out"
+    run("export", tmp_path / "saved", "--out", out, "--dynamic", "--passes", "dead_code_elimination", "--verify")
+    program = load_exported_program(out / "model.pt2")
+    inputs = sample_inputs(model, 3, 13)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(**inputs).logits, model(**inputs).logits, atol=1e-4, rtol=0)
+
+
+def test_passes_lists_every_registered_pass():
+    result = run("passes")
+    lines = result.stdout.strip().splitlines()
+    names = [line.split()[0] for line in lines]
+    assert {"dead_code_elimination", "remove_noop_conversions", "remove_tensor_metadata_asserts"} <= set(names)
+    assert all(len(line.split(maxsplit=2)) == 3 for line in lines)  # name, stage, description
+
+
+def test_errors_are_one_clear_line(tmp_path):
+    result = run("export", tmp_path / "missing", "--out", tmp_path / "o", check=False)
+    assert result.returncode == 2
+    assert "neither a preset" in result.stderr and "Traceback" not in result.stderr
+    result = run("export", "tiny-llama", "--out", tmp_path / "o", "--passes", "nope", check=False)
+    assert result.returncode == 2 and "unknown pass 'nope'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_replay_runs_a_pass_on_a_dumped_program(tmp_path):
+    run("export", "tiny-llama", "--out", tmp_path / "out", "--passes", "")
+    result = run(
+        "replay",
+        tmp_path / "out" / "model.pt2",
+        "--passes",
+        "remove_tensor_metadata_asserts",
+        "--out",
+        tmp_path / "r.pt2",
+    )
+    assert "remove_tensor_metadata_asserts: modified=True" in result.stderr
+    program = load_exported_program(tmp_path / "r.pt2")
+    assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in program.graph.nodes)
+    assert Path(tmp_path / "r.pt2").stat().st_size > 0

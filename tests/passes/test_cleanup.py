@@ -1,0 +1,69 @@
+"""Cleanup passes: op counts before / after on a tiny module, numerics unchanged."""
+
+import torch
+
+from hfexport import get_pass
+
+
+class Casts(torch.nn.Module):
+    def forward(self, x):
+        y = x.to(torch.float32)  # no-op: x is already fp32
+        z = (y * 2).to(torch.float16).to(torch.float32)  # real conversions
+        unused = x + 1  # noqa: F841  dead
+        return z + y
+
+
+def count(program, target):
+    return sum(1 for n in program.graph.nodes if n.target is target)
+
+
+def export(module, *args):
+    return torch.export.export(module, args)
+
+
+def test_remove_noop_conversions_keeps_real_casts():
+    x = torch.randn(3, 4)
+    program = export(Casts(), x)
+    before = count(program, torch.ops.aten.to.dtype)
+    expected = program.module()(x)
+    result = get_pass("remove_noop_conversions")(program)
+    assert before == 3
+    assert count(result.program, torch.ops.aten.to.dtype) == 2
+    assert result.counts == {"rewritten": 1} and result.modified
+    torch.testing.assert_close(result.program.module()(x), expected, atol=0, rtol=0)
+
+
+def test_dead_code_elimination_removes_unused_nodes():
+    x = torch.randn(3, 4)
+    program = export(Casts(), x)
+    assert count(program, torch.ops.aten.add.Tensor) == 2
+    result = get_pass("dead_code_elimination")(program)
+    assert count(result.program, torch.ops.aten.add.Tensor) == 1
+    torch.testing.assert_close(result.program.module()(x), Casts()(x))
+
+
+def test_remove_tensor_metadata_asserts():
+    x = torch.randn(3, 4)
+    program = export(Casts(), x)
+    before = count(program, torch.ops.aten._assert_tensor_metadata.default)
+    assert before > 0
+    result = get_pass("remove_tensor_metadata_asserts")(program)
+    assert count(result.program, torch.ops.aten._assert_tensor_metadata.default) == 0
+    assert result.counts["rewritten"] == before
+    torch.testing.assert_close(result.program.module()(x), Casts()(x))
+
+
+def test_remove_runtime_asserts_drops_shape_checks():
+    class Narrow(torch.nn.Module):
+        def forward(self, x, n):
+            return x[: n.item()]
+
+    x, n = torch.randn(8, 2), torch.tensor(3)
+    program = torch.export.export(Narrow(), (x, n))
+    asserts = torch.ops.aten._assert_scalar.default
+    before = count(program, asserts) + count(program, torch.ops.aten.sym_constrain_range_for_size.default)
+    assert before > 0
+    result = get_pass("remove_runtime_asserts")(program)
+    assert count(result.program, asserts) == 0
+    assert result.counts["rewritten"] >= 1
+    torch.testing.assert_close(result.program.module()(x, n), x[:3])

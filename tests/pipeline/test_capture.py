@@ -1,0 +1,119 @@
+"""Capture: patches restored on every path, attention check, specialisation warning, shapes table."""
+
+import logging
+
+import pytest
+import torch
+from models import build, sample_inputs
+
+from hfexport import PATCHES, CaptureError, DynamoConfig, DynamoExporter, UnsupportedModelError, patches_applied
+
+
+def _targets():
+    found = {}
+    for patch in PATCHES.values():
+        owner, attribute = patch.owner_and_attribute()
+        found[patch.name] = (vars(owner).get(attribute, None), getattr(owner, attribute))
+    return found
+
+
+def test_failed_capture_restores_every_patch(monkeypatch):
+    assert PATCHES, "at least one patch is registered"
+    originals = _targets()
+    seen_inside = {}
+
+    def failing_export(*args, **kwargs):
+        seen_inside.update(_targets())
+        raise RuntimeError("capture failed on purpose")
+
+    monkeypatch.setattr(torch.export, "export", failing_export)
+    model = build("tiny-llama")
+    with pytest.raises(CaptureError, match="capture failed on purpose"):
+        DynamoExporter().export(model, sample_inputs(model))
+    assert seen_inside and all(seen_inside[n][1] is not originals[n][1] for n in originals), "patches were on"
+    assert _targets() == originals
+
+
+def test_patches_restore_inherited_attributes():
+    from hfexport.pipeline.patches import Patch
+
+    class Base:
+        def f(self):
+            return "base"
+
+    class Child(Base):
+        pass
+
+    import sys
+    import types
+
+    module = types.ModuleType("hfexport_test_patch_target")
+    module.Child = Child
+    sys.modules[module.__name__] = module
+    try:
+        PATCHES["test_inherited"] = Patch(
+            "test_inherited", f"{module.__name__}:Child.f", lambda orig: lambda self: "patched", "test", "none"
+        )
+        with patches_applied(["test_inherited"]):
+            assert Child().f() == "patched"
+        assert "f" not in vars(Child) and Child().f() == "base"
+    finally:
+        del PATCHES["test_inherited"]
+        del sys.modules[module.__name__]
+
+
+def test_sdpa_patch_matches_unpatched_numerics():
+    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with patches_applied(["sdpa_math_backend_on_cpu"]):
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention"])
+def test_unexportable_attention_is_a_clear_error(implementation):
+    model = build("tiny-llama")
+    model.config._attn_implementation = implementation
+    with pytest.raises(UnsupportedModelError, match=f"{implementation}.*'sdpa'.*'eager'"):
+        DynamoExporter().export(model, sample_inputs(model))
+    assert model.config._attn_implementation == implementation
+
+
+def test_eager_attention_exports():
+    model = build("tiny-llama")
+    model.config._attn_implementation = "eager"
+    inputs = sample_inputs(model)
+    program = DynamoExporter().export(model, inputs, DynamoConfig(dynamic=True, verify=True))
+    assert not any("scaled_dot_product" in str(n.target) for n in program.graph.nodes)
+
+
+def test_specialised_dynamic_axis_is_warned_once_by_name(caplog):
+    model = build("tiny-llama")
+    caplog.set_level(logging.WARNING, logger="hfexport")
+    result = DynamoExporter().run(model, sample_inputs(model, 1, 8), DynamoConfig(dynamic=True))
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hfexport" and "specialised" in r.getMessage()]
+    assert any("'input_ids' axis 0" in w for w in warnings)
+    assert len([w for w in warnings if "'input_ids' axis 0" in w]) == 1
+    rows = {(a.input, a.axis): a for a in result.input_axes}
+    assert not rows[("input_ids", 0)].dynamic and rows[("input_ids", 0)].requested_dynamic
+    assert rows[("input_ids", 1)].dynamic
+
+
+def test_input_axes_table_has_explicit_bounds():
+    model = build("tiny-llama")
+    seq = torch.export.Dim("seq", min=2, max=64)
+    config = DynamoConfig(
+        dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: seq}},
+        prefer_deferred_runtime_asserts_over_guards=True,
+    )
+    result = DynamoExporter().run(model, sample_inputs(model), config)
+    rows = {(a.input, a.axis): a for a in result.input_axes}
+    assert (rows[("input_ids", 1)].min, rows[("input_ids", 1)].max) == (2, 64)
+    assert not rows[("input_ids", 0)].dynamic and not rows[("input_ids", 0)].requested_dynamic
+    assert "dynamic [2, 64]" in result.report
+
+
+def test_non_mapping_inputs_are_rejected():
+    model = build("tiny-llama")
+    with pytest.raises(ValueError, match="mapping of the model's keyword arguments"):
+        DynamoExporter().export(model, (sample_inputs(model)["input_ids"],))

@@ -1,0 +1,62 @@
+"""Instruments: numerics check names the first bad stage; report and timings; dumps."""
+
+import json
+
+import pytest
+import torch
+from models import build, sample_inputs
+
+from hfexport import DynamoConfig, DynamoExporter, Pass, PassResult, VerificationError
+
+
+class AddsBecomeSubs(Pass):
+    """A wrong rewrite: the numerics check must catch it."""
+
+    name = "adds_become_subs"
+
+    def __call__(self, program):
+        changed = 0
+        for node in program.graph.nodes:
+            if node.target is torch.ops.aten.add.Tensor:
+                node.target = torch.ops.aten.sub.Tensor
+                changed += 1
+        program.graph_module.recompile()
+        return PassResult(program, modified=bool(changed), counts={"rewritten": changed})
+
+
+def test_verify_names_the_first_stage_over_tolerance(tmp_path):
+    model = build("tiny-llama")
+    config = DynamoConfig(dynamic=True, verify=True, dump_dir=str(tmp_path), passes=[AddsBecomeSubs()])
+    with pytest.raises(VerificationError, match=r"stage 'fx_passes'.*max abs [0-9.e+-]+ \(tolerance 0.0001\)"):
+        DynamoExporter().export(model, sample_inputs(model), config)
+    report = (tmp_path / "report.md").read_text()
+    assert "| capture |" in report and "0.00e+00" in report  # capture itself matched eager
+    assert "VerificationError" in report
+
+
+def test_records_and_report_without_dumps():
+    model = build("tiny-gpt2")
+    result = DynamoExporter().run(model, sample_inputs(model), DynamoConfig(dynamic=True, verify=True))
+    capture = result.record("capture")
+    assert capture.seconds > 0 and capture.peak_rss_mb > 0 and capture.nodes_out > 0
+    assert capture.max_abs_diff is not None and capture.max_abs_diff <= 1e-4
+    passes = result.record("fx_passes")
+    assert passes.nodes_in == capture.nodes_out and passes.nodes_out < passes.nodes_in
+    assert "| fx_passes |" in result.report
+
+
+def test_dump_layout(tmp_path):
+    model = build("tiny-bert")
+    DynamoExporter().export(model, sample_inputs(model), DynamoConfig(dynamic=True, dump_dir=tmp_path))
+    assert (tmp_path / "00_capture" / "program.pt2").is_file()
+    assert (tmp_path / "01_fx_passes" / "program.pt2").is_file()
+    stats = json.loads((tmp_path / "01_fx_passes" / "00_remove_tensor_metadata_asserts" / "stats.json").read_text())
+    assert stats["nodes"] == sum(stats["op_histogram"].values())
+    assert "aten._assert_tensor_metadata.default" not in stats["op_histogram"]
+    assert (tmp_path / "pipeline.txt").read_text().startswith("capture | fx_passes(")
+    loaded = torch.export.load(tmp_path / "01_fx_passes" / "program.pt2")
+    inputs = sample_inputs(model, 3, 11)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.module()(**inputs).last_hidden_state, model(**inputs).last_hidden_state, atol=1e-4, rtol=0
+        )

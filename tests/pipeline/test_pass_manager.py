@@ -1,0 +1,134 @@
+"""Pass lists: composition, ordering constraints, failures, dumps."""
+
+import re
+
+import pytest
+import torch
+from models import build, sample_inputs
+
+from hfexport import (
+    DynamoConfig,
+    DynamoExporter,
+    Pass,
+    PassError,
+    PassManager,
+    PassOrderError,
+    PassResult,
+    register_pass,
+)
+
+
+class CountAdds(Pass):
+    """A user-written pass that only inspects the graph."""
+
+    name = "count_adds"
+    description = "count aten.add nodes"
+
+    def __call__(self, program):
+        adds = sum(1 for n in program.graph.nodes if n.target is torch.ops.aten.add.Tensor)
+        return PassResult(program, modified=False, counts={"adds": adds})
+
+
+class Explode(Pass):
+    name = "explode"
+
+    def __call__(self, program):
+        # half-rewrite the graph, then fail: the dumped input must be the untouched program
+        next(n for n in program.graph.nodes if n.op == "call_function").meta["touched"] = True
+        raise RuntimeError("boom")
+
+
+def test_compose_pass_list_in_code_and_find_it_in_dumps(tmp_path):
+    model = build("tiny-llama")
+    config = DynamoConfig(dynamic=True, dump_dir=str(tmp_path))
+    pipeline = DynamoExporter().build_pipeline(config)
+    assert pipeline.passes.names == list(DynamoExporter.default_passes)
+    pipeline.passes.insert("dead_code_elimination", CountAdds())
+    pipeline.passes.remove("remove_noop_conversions")
+    result = pipeline.run(model, sample_inputs(model), config)
+
+    names = [r.name for r in result.record("fx_passes").children]
+    assert names == ["remove_tensor_metadata_asserts", "count_adds", "dead_code_elimination"]
+    assert result.record("count_adds").counts["adds"] > 0
+    folder = tmp_path / "01_fx_passes" / "01_count_adds"
+    assert (folder / "graph.txt").read_text().strip()
+    assert '"nodes"' in (folder / "stats.json").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert re.search(r"\| ↳ count_adds \| [0-9.]+ \|", report)
+    assert "remove_noop_conversions" not in (tmp_path / "pipeline.txt").read_text()
+    # the removed pass really did not run: its no-op conversions are still in the graph
+    assert any(n.target is torch.ops.aten.to.dtype for n in result.program.graph.nodes)
+
+
+def test_pass_list_from_string_and_registered_function():
+    @register_pass(name="tag_nothing_test")
+    def tag_nothing(program):
+        """Does nothing (test)."""
+        return PassResult(program, modified=False)
+
+    model = build("tiny-llama")
+    result = DynamoExporter().run(
+        model, sample_inputs(model), DynamoConfig(passes="tag_nothing_test, dead_code_elimination")
+    )
+    assert [r.name for r in result.record("fx_passes").children] == ["tag_nothing_test", "dead_code_elimination"]
+
+
+def test_constraint_violation_is_rejected_naming_both_passes():
+    manager = PassManager(["dead_code_elimination", "remove_tensor_metadata_asserts"])
+    with pytest.raises(
+        PassOrderError, match="'remove_tensor_metadata_asserts' must run before pass 'dead_code_elimination'"
+    ):
+        manager.check()
+    model = build("tiny-llama")
+    with pytest.raises(PassOrderError):
+        DynamoExporter().export(
+            model, sample_inputs(model), DynamoConfig(passes="dead_code_elimination,remove_noop_conversions")
+        )
+
+
+def test_constraint_cycle_is_rejected():
+    class A(Pass):
+        name = "cycle_a"
+        runs_after = ("cycle_b",)
+
+    class B(Pass):
+        name = "cycle_b"
+        runs_after = ("cycle_a",)
+
+    with pytest.raises(PassOrderError, match="cycle"):
+        PassManager([A(), B()]).check()
+
+
+def test_unknown_pass_name_lists_the_registered_ones():
+    config = DynamoConfig(passes="nope")  # a config is data; names are resolved by the pipeline
+    with pytest.raises(ValueError, match="unknown pass 'nope'; registered passes: .*dead_code_elimination"):
+        DynamoExporter().build_pipeline(config)
+
+
+def test_raising_pass_is_named_with_the_passes_before_it_and_leaves_a_reproducer(tmp_path):
+    model = build("tiny-llama")
+    config = DynamoConfig(dump_dir=str(tmp_path), passes=["remove_tensor_metadata_asserts", Explode()])
+    with pytest.raises(PassError) as caught:
+        DynamoExporter().export(model, sample_inputs(model), config)
+    message = str(caught.value)
+    assert "'explode'" in message and "boom" in message
+    assert "passes before it: remove_tensor_metadata_asserts" in message
+    folder = tmp_path / "01_fx_passes" / "01_explode"
+    assert (folder / "repro.txt").read_text().startswith("hfexport replay")
+    dumped = torch.export.load(folder / "input.pt2")
+    assert not any(n.meta.get("touched") for n in dumped.graph.nodes)
+    assert "explode" in (tmp_path / "report.md").read_text() and "boom" in (tmp_path / "report.md").read_text()
+
+
+def test_pass_that_breaks_the_signature_is_rejected():
+    class DropOutput(Pass):
+        name = "drop_output"
+
+        def __call__(self, program):
+            output = next(n for n in program.graph.nodes if n.op == "output")
+            output.args = (output.args[0][:1],)
+            return PassResult(program, modified=True)
+
+    model = build("tiny-llama")
+    with pytest.raises(PassError, match="drop_output.*signature"):
+        DynamoExporter().export(model, sample_inputs(model), DynamoConfig(passes=[DropOutput()]))
