@@ -12,6 +12,7 @@ from hfexport.errors import ConfigError
 # backend's packages load only when that backend is asked for.
 BACKENDS: dict[str, tuple[str, str]] = {
     "dynamo": ("hfexport.configs:DynamoConfig", "hfexport.exporters:DynamoExporter"),
+    "onnx": ("hfexport.configs:OnnxConfig", "hfexport.exporters:OnnxExporter"),
 }
 
 

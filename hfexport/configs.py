@@ -141,3 +141,19 @@ def _pass_name(item: Any) -> str:
             "register it with hfexport.register_pass to refer to it by name"
         )
     return name
+
+
+@dataclass
+class OnnxConfig(DynamoConfig):
+    """Config of :class:`~hfexport.OnnxExporter`: the :class:`DynamoConfig` fields plus
+
+    Args:
+        opset_version: the ONNX opset; ``None`` is the newest the installed onnxscript supports.
+        optimize: run the onnxscript optimizer (the ``onnx_optimizer`` pass) when ``passes`` is
+            the default list; with an explicit ``passes`` list, list it or not.
+    """
+
+    export_format: ClassVar[str] = "onnx"
+
+    opset_version: int | None = None
+    optimize: bool = True

@@ -6,17 +6,24 @@ from typing import Any, ClassVar
 
 import torch
 
-from hfexport.configs import DynamoConfig
+from hfexport.configs import DynamoConfig, OnnxConfig
 from hfexport.errors import ConfigError
 from hfexport.pipeline.instruments import Instrument
-from hfexport.pipeline.pass_manager import PassManager
-from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult, Stage
+from hfexport.pipeline.pass_manager import PassManager, resolve_passes
+from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult, PipelineRun, Stage, TransformStage
 from hfexport.versions import warn_on_version_drift
+
+FX_PASSES = "fx_passes"
 
 
 class HfExporter:
-    """Base of the exporters. A subclass sets ``export_format``, ``config_class`` and
-    ``default_passes``, and adds its lowering stages in :meth:`lowering_stages`."""
+    """Base of the exporters.
+
+    A subclass sets ``export_format``, ``config_class`` and ``default_passes`` (pass names of any
+    of its pass stages, in order) and lists its stages after the FX passes in
+    :meth:`lowering_stages`: :class:`~hfexport.pipeline.pipeline.Stage` objects, and the names of
+    pass stages, which receive the passes whose ``stage`` is that name.
+    """
 
     export_format: ClassVar[str]
     config_class: ClassVar[type[DynamoConfig]]
@@ -25,11 +32,15 @@ class HfExporter:
     def __init__(self) -> None:
         warn_on_version_drift()
 
-    def lowering_stages(self, config: DynamoConfig) -> list[Stage]:
+    def lowering_stages(self, config: Any) -> list[Stage | str]:
         """The stages after the FX passes (none for the Dynamo exporter)."""
         return []
 
-    def _check_config(self, config: DynamoConfig | None) -> DynamoConfig:
+    def pass_list(self, config: Any) -> list[Any]:
+        """The configured pass list: ``config.passes`` or the default list."""
+        return list(self.default_passes) if config.passes is None else list(config.passes)
+
+    def _check_config(self, config: Any) -> Any:
         if config is None:
             return self.config_class()
         if not isinstance(config, self.config_class):
@@ -39,30 +50,39 @@ class HfExporter:
             )
         return config
 
-    def build_pipeline(self, config: DynamoConfig | None = None, instruments: tuple[Instrument, ...] = ()) -> Pipeline:
-        """The pipeline :meth:`export` runs: capture → FX passes (``config.passes`` or the
-        default list) → lowering stages, with the instruments the config asks for. Edit its
-        ``passes`` and call :meth:`Pipeline.run` to run a custom pass list."""
+    def build_pipeline(self, config: Any = None, instruments: tuple[Instrument, ...] = ()) -> Pipeline:
+        """The pipeline :meth:`export` runs: capture → FX passes → lowering stages, with the
+        passes of ``config.passes`` (or the default list) split among the pass stages, and the
+        instruments the config asks for. Edit its ``passes`` and call :meth:`Pipeline.run` to run
+        a custom pass list."""
         config = self._check_config(config)
-        passes = PassManager(self.default_passes if config.passes is None else config.passes)
-        stages = [PassStage("fx_passes", passes), *self.lowering_stages(config)]
+        layout = [FX_PASSES, *self.lowering_stages(config)]
+        stage_names = [s for s in layout if isinstance(s, str)]
+        by_stage: dict[str, list[Any]] = {name: [] for name in stage_names}
+        for pass_ in resolve_passes(self.pass_list(config)):
+            if pass_.stage not in by_stage:
+                raise ConfigError(
+                    f"pass {pass_.name!r} runs in stage {pass_.stage!r}, which the {self.export_format} "
+                    f"pipeline does not have (its pass stages: {', '.join(stage_names)})"
+                )
+            by_stage[pass_.stage].append(pass_)
+        stages = [PassStage(s, PassManager(by_stage[s])) if isinstance(s, str) else s for s in layout]
         return Pipeline.for_config(stages, config, instruments)
 
     def run(
-        self,
-        model: torch.nn.Module,
-        inputs: Any,
-        config: DynamoConfig | None = None,
-        instruments: tuple[Instrument, ...] = (),
+        self, model: torch.nn.Module, inputs: Any, config: Any = None, instruments: tuple[Instrument, ...] = ()
     ) -> PipelineResult:
         """Export and return the whole :class:`PipelineResult` (program, per-step records, report)."""
         config = self._check_config(config)
         return self.build_pipeline(config, instruments).run(model, inputs, config)
 
-    def export(self, model: torch.nn.Module, inputs: Any, config: DynamoConfig | None = None) -> Any:
+    def export(self, model: torch.nn.Module, inputs: Any, config: Any = None) -> Any:
         """Export ``model(**inputs)`` and return the backend's program. The model and the inputs
         are not modified."""
         return self.run(model, inputs, config).program
+
+
+CLEANUP_PASSES = ("remove_tensor_metadata_asserts", "remove_noop_conversions")
 
 
 class DynamoExporter(HfExporter):
@@ -70,4 +90,32 @@ class DynamoExporter(HfExporter):
 
     export_format = "dynamo"
     config_class = DynamoConfig
-    default_passes = ("remove_tensor_metadata_asserts", "remove_noop_conversions", "dead_code_elimination")
+    default_passes = (*CLEANUP_PASSES, "dead_code_elimination")
+
+
+class OnnxExporter(HfExporter):
+    """Export to a ``torch.onnx.ONNXProgram``: ``.save("model.onnx")``, then run it with ONNX
+    Runtime fed with the model's keyword inputs by name."""
+
+    export_format = "onnx"
+    config_class = OnnxConfig
+    default_passes = (
+        *CLEANUP_PASSES,
+        "grouped_mm_to_batched_mm",
+        "dead_code_elimination",
+        "onnx_optimizer",
+    )
+
+    def pass_list(self, config: OnnxConfig) -> list[Any]:
+        passes = super().pass_list(config)
+        if config.passes is None and not config.optimize:
+            passes.remove("onnx_optimizer")
+        return passes
+
+    def lowering_stages(self, config: OnnxConfig) -> list[Stage | str]:
+        from hfexport.lowering.onnx import to_onnx
+
+        def lower(program: torch.export.ExportedProgram, run: PipelineRun) -> Any:
+            return to_onnx(program, config.opset_version, run.input_axes)
+
+        return [TransformStage("to_onnx", lower), "onnx_passes"]

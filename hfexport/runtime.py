@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
+
+from hfexport.errors import HfExportError
 
 
 def load_exported_program(path: str | Path) -> torch.export.ExportedProgram:
@@ -16,3 +21,78 @@ def load_exported_program(path: str | Path) -> torch.export.ExportedProgram:
 
     register_cache_pytrees()
     return torch.export.load(path)
+
+
+class OnnxRunner:
+    """A real ONNX Runtime session over a saved ``.onnx`` file, fed with the model's keyword
+    inputs (tensors, or caches flattened to ``cache.layers.0.keys`` …).
+
+    Inputs are checked against the model before running: a missing input, a wrong rank, or an
+    axis outside the bounds recorded at capture raises :class:`~hfexport.HfExportError` naming
+    the input, the axis and the bound.
+    """
+
+    def __init__(self, path: str | Path, providers: tuple[str, ...] = ("CPUExecutionProvider",)) -> None:
+        import onnxruntime
+
+        self.session = onnxruntime.InferenceSession(str(path), providers=list(providers))
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        self.scalar_outputs = set(filter(None, metadata.get("hfexport.scalar_outputs", "").split(",")))
+        self.bounds = {
+            (axis["input"], axis["axis"]): axis for axis in json.loads(metadata.get("hfexport.input_axes", "[]"))
+        }
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def feed(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """``{onnx input name: numpy array}`` from the model's keyword inputs."""
+        import torch.utils._pytree as pytree
+
+        from hfexport.pipeline.capture import normalize_inputs
+        from hfexport.pipeline.io_names import path_name
+        from hfexport.pipeline.pytree import register_cache_pytrees
+
+        register_cache_pytrees()
+        flat = {
+            path_name(path): leaf
+            for path, leaf in pytree.tree_flatten_with_path(normalize_inputs(inputs, renames=True))[0]
+        }
+        missing = [name for name in self.input_names if name not in flat]
+        if missing:
+            raise HfExportError(
+                f"the ONNX model needs input(s) {missing}; got {sorted(flat)}. Pass the same keyword inputs "
+                "(and cache structure) as the export sample."
+            )
+        feed = {}
+        for spec in self.session.get_inputs():
+            value = flat[spec.name]
+            array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+            self._check(spec, array)
+            feed[spec.name] = array
+        return feed
+
+    def _check(self, spec: Any, array: Any) -> None:
+        if len(spec.shape) != array.ndim:
+            raise HfExportError(f"input {spec.name!r} has rank {array.ndim}, the model expects {len(spec.shape)} ({spec.shape})")
+        for axis, (expected, size) in enumerate(zip(spec.shape, array.shape, strict=True)):
+            if isinstance(expected, int) and expected != size:
+                raise HfExportError(
+                    f"input {spec.name!r} axis {axis} has size {size}, but the model was exported with a static "
+                    f"size {expected} on this axis; export with dynamic=True or dynamic_shapes covering it"
+                )
+            bound = self.bounds.get((spec.name, axis))
+            if bound and bound["dynamic"] and bound["max"] is not None and size > bound["max"]:
+                raise HfExportError(
+                    f"input {spec.name!r} axis {axis} has size {size}, above the exported upper bound {bound['max']}"
+                )
+
+    def run(self, inputs: dict[str, Any], tensors_only: bool = False) -> list[Any]:
+        """The outputs in the model's order (``tensors_only``: without symbolic-integer outputs)."""
+        outputs = self.session.run(None, self.feed(inputs))
+        if tensors_only:
+            outputs = [o for name, o in zip(self.output_names, outputs, strict=True) if name not in self.scalar_outputs]
+        return outputs
+
+    def run_dict(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The outputs by name."""
+        return dict(zip(self.output_names, self.session.run(None, self.feed(inputs)), strict=True))

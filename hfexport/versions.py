@@ -64,3 +64,18 @@ def warn_on_version_drift() -> None:
             "Exports may fail or differ; install the pinned versions (pip install 'hfexport[all]').",
             ", ".join(drift),
         )
+
+
+def require_backend(extra: str, modules: tuple[str, ...]) -> None:
+    """Raise an :class:`~hfexport.errors.ConfigError` naming the pip extra when a backend
+    package is missing."""
+    import importlib.util
+
+    from hfexport.errors import ConfigError
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(
+            f"the {extra} backend needs {', '.join(missing)}, which is not installed; "
+            f"install it with: pip install 'hfexport[{extra}]'"
+        )

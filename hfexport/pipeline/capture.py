@@ -35,20 +35,20 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 _RENAMED_INPUTS = {"past_key_values": "cache"}
 
 
-def normalize_inputs(inputs: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
+def normalize_inputs(inputs: Any, model: torch.nn.Module | None = None, renames: bool = False) -> dict[str, Any]:
     """The model's keyword inputs as a new plain dict (``BatchEncoding`` included), ``None``
-    dropped, and deprecated names that ``forward`` now spells differently renamed."""
+    dropped, and deprecated names renamed when ``forward`` (of ``model``) spells them
+    differently, or always with ``renames=True`` (for programs, whose inputs use the new names)."""
     if not isinstance(inputs, Mapping):
         raise ConfigError(
             f"inputs must be a mapping of the model's keyword arguments (e.g. a tokenizer's "
             f"BatchEncoding or {{'input_ids': ...}}), got {type(inputs).__name__}"
         )
     normalized = {str(k): v for k, v in inputs.items() if v is not None}
-    if model is not None:
-        parameters = inspect.signature(model.forward).parameters
-        for old, new in _RENAMED_INPUTS.items():
-            if old in normalized and old not in parameters and new in parameters and new not in normalized:
-                normalized[new] = normalized.pop(old)
+    parameters = inspect.signature(model.forward).parameters if model is not None else {}
+    for old, new in _RENAMED_INPUTS.items():
+        if old in normalized and new not in normalized and (renames or (old not in parameters and new in parameters)):
+            normalized[new] = normalized.pop(old)
     return normalized
 
 

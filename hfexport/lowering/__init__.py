@@ -1,0 +1,1 @@
+"""Lowering stages, one module per target; each imports its backend packages itself."""

@@ -1,0 +1,25 @@
+"""Passes over the ONNX model of a ``torch.onnx.ONNXProgram`` (the ``onnx_passes`` stage).
+onnxscript is imported when a pass runs, so registering these needs no ONNX package."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hfexport.pipeline.pass_manager import PassResult, register_pass
+
+
+def _node_count(program: Any) -> int:
+    import onnx_ir as ir
+
+    return sum(1 for _ in ir.traversal.RecursiveGraphIterator(program.model.graph))
+
+
+@register_pass(name="onnx_optimizer", stage="onnx_passes")
+def onnx_optimizer(program: Any) -> PassResult:
+    """The onnxscript optimizer: constant folding, dead code removal, function inlining."""
+    import onnxscript.optimizer
+
+    before = _node_count(program)
+    onnxscript.optimizer.optimize(program.model)
+    after = _node_count(program)
+    return PassResult(program, modified=before != after, counts={"nodes_removed": before - after})
