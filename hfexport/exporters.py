@@ -102,6 +102,7 @@ class OnnxExporter(HfExporter):
     default_passes = (
         *CLEANUP_PASSES,
         "grouped_mm_to_batched_mm",
+        "zero_fully_masked_attention_rows",
         "dead_code_elimination",
         "onnx_optimizer",
     )

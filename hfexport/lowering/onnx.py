@@ -112,6 +112,12 @@ def save_onnx(program: torch.onnx.ONNXProgram, path: Path) -> None:
     program.save(str(path))
 
 
+def snapshot_onnx(program: torch.onnx.ONNXProgram) -> torch.onnx.ONNXProgram:
+    import onnx_ir as ir
+
+    return torch.onnx.ONNXProgram(ir.serde.deserialize_model(ir.serde.serialize_model(program.model)), None)
+
+
 def run_onnx_program(program: torch.onnx.ONNXProgram, inputs: dict[str, Any]) -> list[Any]:
     """Save to a temporary file and run it in a real ONNX Runtime session; the tensor outputs,
     in order."""
@@ -125,5 +131,13 @@ def run_onnx_program(program: torch.onnx.ONNXProgram, inputs: dict[str, Any]) ->
 
 register_artifact_kind(
     torch.onnx.ONNXProgram,
-    ArtifactKind(suffix=".onnx", text=onnx_text, histogram=onnx_histogram, save=save_onnx, run=run_onnx_program),
+    ArtifactKind(
+        suffix=".onnx",
+        text=onnx_text,
+        histogram=onnx_histogram,
+        save=save_onnx,
+        run=run_onnx_program,
+        snapshot=snapshot_onnx,
+        save_each_pass=True,
+    ),
 )

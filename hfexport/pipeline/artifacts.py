@@ -22,6 +22,10 @@ class ArtifactKind:
     save: Callable[[Any, Path], None]
     # run(program, inputs) -> flat list of output tensors, in torch.export's output order
     run: Callable[[Any, dict[str, Any]], list[torch.Tensor]]
+    # a copy a failing pass cannot have half-rewritten (dumped as the pass's reproducer input)
+    snapshot: Callable[[Any], Any]
+    # dumps save the artifact after every pass too, not only at stage boundaries
+    save_each_pass: bool = False
 
 
 _KINDS: dict[type, ArtifactKind] = {}
@@ -61,6 +65,16 @@ def _ep_run(program: torch.export.ExportedProgram, inputs: dict[str, Any]) -> li
     return flat_tensors(outputs)
 
 
+def _ep_snapshot(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    # The graph is copied, the weights are shared.
+    import copy
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own LeafSpec deprecation on copy
+        return program._update(copy.deepcopy(program.graph_module), copy.deepcopy(program.graph_signature))
+
+
 def flat_tensors(outputs: Any) -> list[torch.Tensor]:
     """The tensor leaves of a (pytree) output, in flattening order."""
     return [leaf for leaf in torch.utils._pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
@@ -68,5 +82,7 @@ def flat_tensors(outputs: Any) -> list[torch.Tensor]:
 
 register_artifact_kind(
     torch.export.ExportedProgram,
-    ArtifactKind(suffix=".pt2", text=str, histogram=_ep_histogram, save=_ep_save, run=_ep_run),
+    ArtifactKind(
+        suffix=".pt2", text=str, histogram=_ep_histogram, save=_ep_save, run=_ep_run, snapshot=_ep_snapshot
+    ),
 )

@@ -224,11 +224,13 @@ def capture(model: torch.nn.Module, inputs: Any, config: Any) -> tuple[torch.exp
                 prefer_deferred_runtime_asserts_over_guards=config.prefer_deferred_runtime_asserts_over_guards,
             )
     except Exception as error:  # torch raises many unrelated types; all mean "capture failed"
-        first_line = str(error).strip().split("\n")[0][:500]
+        # torch's first lines say what failed and, for shape constraints, what it suggests.
+        detail = "\n".join(str(error).strip().split("\n")[:12])[:2000]
         raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}: {type(error).__name__}: {first_line}. "
-            "The chained exception has the full trace; if an axis is the problem, try dynamic=True "
-            "or wider Dim bounds, and with explicit Dims prefer_deferred_runtime_asserts_over_guards=True."
+            f"torch.export could not capture {type(model).__name__}: {type(error).__name__}: {detail}\n"
+            "If an axis is the problem, try dynamic=True or Dim bounds within the model's limits "
+            "(e.g. max_position_embeddings), and with explicit Dims "
+            "prefer_deferred_runtime_asserts_over_guards=True. The chained exception has the full trace."
         ) from error
     table = input_axes(program, inputs, dynamic_shapes)
     for row in table:

@@ -206,7 +206,8 @@ class NumericsInstrument(Instrument):
 
 class DumpInstrument(Instrument):
     """Write ``dump_dir/NN_<stage>/[NN_<pass>/]`` with ``graph.txt`` and ``stats.json`` after
-    every step, the artifact at every stage boundary, ``pipeline.txt`` and ``report.md``. When a
+    every step, the artifact at every stage boundary (and after every pass for artifacts that ask
+    for it, such as ONNX models), ``pipeline.txt`` and ``report.md``. When a
     pass fails, its folder gets ``input<suffix>`` (the program it received) and ``repro.txt``
     (the command replaying just that pass)."""
 
@@ -228,7 +229,7 @@ class DumpInstrument(Instrument):
     def before(self, step: StepRecord, program: Any) -> None:
         self._folder(step)
         if step.kind == "pass":
-            self._pass_input = snapshot(program)
+            self._pass_input = artifact_kind(program).snapshot(program)
 
     def after(self, step: StepRecord, program: Any) -> None:
         folder = self._folder(step)
@@ -239,7 +240,7 @@ class DumpInstrument(Instrument):
         if step.counts:
             stats["counts"] = step.counts
         (folder / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-        if step.kind == "stage":
+        if step.kind == "stage" or kind.save_each_pass:
             kind.save(program, folder / f"program{kind.suffix}")
 
     def on_error(self, step: StepRecord, program: Any, error: BaseException) -> None:
@@ -254,19 +255,6 @@ class DumpInstrument(Instrument):
     def finish(self, run: PipelineRun, error: BaseException | None) -> None:
         (self.root / "report.md").write_text(run.report(error))
         self._pass_input = None
-
-
-def snapshot(program: Any) -> Any:
-    """A copy of a program's graph that a failing pass cannot have half-rewritten (weights are
-    shared, not copied)."""
-    import copy
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch's own LeafSpec deprecation on copy
-        if isinstance(program, torch.export.ExportedProgram):
-            return program._update(copy.deepcopy(program.graph_module), copy.deepcopy(program.graph_signature))
-        return copy.deepcopy(program)
 
 
 class ProgressInstrument(Instrument):
