@@ -73,7 +73,9 @@ class OnnxRunner:
 
     def _check(self, spec: Any, array: Any) -> None:
         if len(spec.shape) != array.ndim:
-            raise HfExportError(f"input {spec.name!r} has rank {array.ndim}, the model expects {len(spec.shape)} ({spec.shape})")
+            raise HfExportError(
+                f"input {spec.name!r} has rank {array.ndim}, the model expects {len(spec.shape)} ({spec.shape})"
+            )
         for axis, (expected, size) in enumerate(zip(spec.shape, array.shape, strict=True)):
             if isinstance(expected, int) and expected != size:
                 raise HfExportError(

@@ -64,7 +64,9 @@ def to_onnx(
         )
     _name_outputs(onnx_program, output_names)
     user_outputs = [s for s in program.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
-    scalars = [name for name, spec in zip(output_names, user_outputs, strict=True) if not isinstance(spec.arg, TensorArgument)]
+    scalars = [
+        name for name, spec in zip(output_names, user_outputs, strict=True) if not isinstance(spec.arg, TensorArgument)
+    ]
     metadata = onnx_program.model.metadata_props
     metadata["hfexport.scalar_outputs"] = ",".join(scalars)
     metadata["hfexport.input_axes"] = json.dumps([dataclasses.asdict(axis) for axis in input_axes])

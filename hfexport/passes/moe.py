@@ -34,7 +34,9 @@ def _rewrite(graph: torch.fx.Graph, node: Node) -> bool:
     num_experts = weight.meta["val"].shape[0]
     # The expert of row r is the number of group ends <= r (offs holds cumulative row counts).
     rows = edit.call(aten.arange.start, 0, edit.call(aten.sym_size.int, x, 0), dtype=offs.meta["val"].dtype)
-    ends_passed = edit.call(aten.ge.Tensor, edit.call(aten.unsqueeze.default, rows, 1), edit.call(aten.unsqueeze.default, offs, 0))
+    ends_passed = edit.call(
+        aten.ge.Tensor, edit.call(aten.unsqueeze.default, rows, 1), edit.call(aten.unsqueeze.default, offs, 0)
+    )
     expert = edit.call(aten.sum.dim_IntList, ends_passed, [1])
     expert = edit.call(aten.clamp.default, expert, None, num_experts - 1)
     # (S, 1, K) @ (S, K, N): every row multiplies its own expert's matrix.

@@ -82,7 +82,5 @@ def flat_tensors(outputs: Any) -> list[torch.Tensor]:
 
 register_artifact_kind(
     torch.export.ExportedProgram,
-    ArtifactKind(
-        suffix=".pt2", text=str, histogram=_ep_histogram, save=_ep_save, run=_ep_run, snapshot=_ep_snapshot
-    ),
+    ArtifactKind(suffix=".pt2", text=str, histogram=_ep_histogram, save=_ep_save, run=_ep_run, snapshot=_ep_snapshot),
 )

@@ -76,3 +76,14 @@ def test_replay_runs_a_pass_on_a_dumped_program(tmp_path):
     program = load_exported_program(tmp_path / "r.pt2")
     assert not any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in program.graph.nodes)
     assert Path(tmp_path / "r.pt2").stat().st_size > 0
+
+
+def test_export_onnx_with_dumps_and_verify(tmp_path):
+    out, dumps = tmp_path / "out", tmp_path / "dumps"
+    run("export", "tiny-llama", "--format", "onnx", "--dynamic", "--out", out, "--dump-dir", dumps, "--verify")
+    assert (out / "model.onnx").is_file()
+    assert (dumps / "02_to_onnx" / "program.onnx").is_file()
+    assert (dumps / "03_onnx_passes" / "00_onnx_optimizer" / "program.onnx").is_file()
+    assert (dumps / "03_onnx_passes" / "00_onnx_optimizer" / "graph.txt").read_text().startswith("<")
+    report = (dumps / "report.md").read_text()
+    assert "| to_onnx |" in report and "| ↳ onnx_optimizer |" in report

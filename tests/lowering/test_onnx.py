@@ -1,0 +1,147 @@
+"""OnnxExporter end to end with a real ONNX Runtime session on the saved file."""
+
+import json
+
+import onnxruntime as ort
+import pytest
+import torch
+from models import build, eager, main_output, sample_inputs
+
+from hfexport import (
+    AutoExportConfig,
+    AutoHfExporter,
+    HfExportError,
+    OnnxConfig,
+    OnnxExporter,
+    OnnxRunner,
+)
+
+SHAPES = [(2, 8), (3, 13), (1, 5), (2, 80)]
+PRESETS = [
+    "tiny-llama",
+    "tiny-qwen3",
+    "tiny-qwen3-moe",
+    "tiny-gemma3",
+    "tiny-phi3",
+    "tiny-mistral",
+    "tiny-gpt2",
+    "tiny-bert",
+]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_onnx_runtime_matches_eager(preset, tmp_path):
+    model = build(preset)
+    program = OnnxExporter().export(model, sample_inputs(model, 2, 8), config=OnnxConfig(dynamic=True))
+    program.save(tmp_path / "model.onnx")
+    runner = OnnxRunner(tmp_path / "model.onnx")
+    expected_name = "logits" if "logits" in eager(model, sample_inputs(model)) else "last_hidden_state"
+    assert runner.output_names[0] == expected_name
+    for batch, seq in SHAPES:
+        inputs = sample_inputs(model, batch, seq, seed=batch + seq)
+        got = torch.from_numpy(runner.run_dict(inputs)[expected_name])
+        torch.testing.assert_close(got, main_output(eager(model, inputs)), atol=1e-4, rtol=0)
+
+
+def test_spec_example_runs_unchanged(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = build("tiny-qwen3")
+    inputs = sample_inputs(model, 1, 6)  # stands in for tokenizer("Hello, world!", return_tensors="pt")
+
+    exporter = OnnxExporter()
+    config = OnnxConfig(dynamic=True)
+    onnx_program = exporter.export(model, inputs, config=config)
+
+    # save and load with ONNX Runtime
+    onnx_program.save("model.onnx")
+
+    session = ort.InferenceSession("model.onnx")
+    ort_inputs = {k: v.numpy() for k, v in inputs.items()}
+    outputs = session.run(None, ort_inputs)
+
+    torch.testing.assert_close(torch.from_numpy(outputs[0]), eager(model, inputs).logits, atol=1e-4, rtol=0)
+
+
+def test_spec_explicit_dynamic_shapes_example_with_padding(tmp_path):
+    model = build("tiny-llama")
+    inputs = sample_inputs(model, 2, 8)
+    inputs["attention_mask"][1, :5] = 0  # tokenizer(["Hello, world!", "Hi"], padding=True) pads the short one
+
+    batch = torch.export.Dim("batch", min=1, max=32)
+    seq = torch.export.Dim("seq", min=1, max=2048)
+
+    exporter = OnnxExporter()
+    config = OnnxConfig(
+        dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
+        prefer_deferred_runtime_asserts_over_guards=True,
+    )
+    onnx_program = exporter.export(model, inputs, config=config)
+    onnx_program.save(tmp_path / "model.onnx")
+    runner = OnnxRunner(tmp_path / "model.onnx")
+    for shape in [(2, 8), (4, 11)]:
+        sample = sample_inputs(model, *shape, seed=3)
+        sample["attention_mask"][0, :4] = 0  # padded positions too: fully masked rows stay finite and match
+        got = torch.from_numpy(runner.run_dict(sample)["logits"])
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, eager(model, sample).logits, atol=1e-4, rtol=0)
+    with pytest.raises(HfExportError, match="'input_ids' axis 0 has size 33, above the exported upper bound 32"):
+        runner.run(sample_inputs(model, 33, 4))
+
+
+def test_dropping_the_optimizer_by_name_changes_the_histogram(tmp_path):
+    model = build("tiny-llama")
+    inputs = sample_inputs(model)
+    with_optimizer = OnnxExporter().run(model, inputs, OnnxConfig(dynamic=True, dump_dir=tmp_path / "a"))
+    passes = [p for p in OnnxExporter.default_passes if p != "onnx_optimizer"]
+    without = OnnxExporter().run(
+        model, inputs, OnnxConfig(dynamic=True, dump_dir=tmp_path / "b", passes=passes, verify=True)
+    )
+
+    optimized = json.loads((tmp_path / "a" / "03_onnx_passes" / "00_onnx_optimizer" / "stats.json").read_text())
+    plain = json.loads((tmp_path / "b" / "03_onnx_passes" / "stats.json").read_text())
+    assert optimized["op_histogram"] != plain["op_histogram"]
+    assert optimized["nodes"] < plain["nodes"]
+    assert (tmp_path / "a" / "03_onnx_passes" / "00_onnx_optimizer" / "program.onnx").is_file()
+    assert "onnx_optimizer" not in (tmp_path / "b" / "pipeline.txt").read_text()
+    assert without.record("onnx_passes").max_abs_diff <= 1e-4
+    assert with_optimizer.record("onnx_optimizer").counts["nodes_removed"] > 0
+    # optimize=False drops it from the default list too
+    assert "onnx_optimizer" not in str(OnnxExporter().build_pipeline(OnnxConfig(optimize=False)).describe())
+
+
+def test_capture_runs_once(monkeypatch):
+    calls = []
+    original = torch.export.export
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    model = build("tiny-llama")
+    OnnxExporter().export(model, sample_inputs(model), OnnxConfig(dynamic=True, verify=True))
+    assert len(calls) == 1
+
+
+def test_auto_classes_pick_onnx():
+    config = AutoExportConfig.from_dict({"export_format": "onnx", "dynamic": True})
+    assert isinstance(config, OnnxConfig) and config.dynamic and config.optimize
+    assert isinstance(AutoHfExporter.from_config(config), OnnxExporter)
+    assert OnnxConfig.from_json(OnnxConfig(opset_version=18, optimize=False).to_json()).opset_version == 18
+
+
+def test_onnx_pass_in_a_dynamo_pipeline_is_rejected():
+    from hfexport import ConfigError, DynamoConfig, DynamoExporter
+
+    with pytest.raises(ConfigError, match="'onnx_optimizer' runs in stage 'onnx_passes'"):
+        DynamoExporter().build_pipeline(DynamoConfig(passes="onnx_optimizer"))
+
+
+def test_cache_outputs_have_path_names(tmp_path):
+    model = build("tiny-gemma3")
+    program = OnnxExporter().export(model, sample_inputs(model), OnnxConfig(dynamic=True))
+    program.save(tmp_path / "m.onnx")
+    runner = OnnxRunner(tmp_path / "m.onnx")
+    assert "cache.layers.1.keys" in runner.output_names
+    assert "cache.layers.0.cumulative_length" in runner.scalar_outputs
+    assert not any(name.startswith("output_") for name in runner.output_names)
