@@ -74,31 +74,35 @@ def main() -> None:
     torch.set_num_threads(2)
 
     for size in args.sizes.split(","):
-        model = PRESETS["tiny-llama"].build(**SIZES[size])
-        parameters = sum(p.numel() for p in model.parameters()) / 1e6
-        config = AutoExportConfig.from_dict({"export_format": args.format, "dynamic": True})
-        result = AutoHfExporter.from_config(config).run(model, sample_inputs(model), config)
-        print(f"\n## {size} Llama ({parameters:.1f}M parameters), format {args.format}\n")
-        print(stage_table(result.records))
-        total = sum(r.seconds for r in result.records)
-        print(f"\ntotal export time {total:.2f}s")
+        benchmark(size, args)
 
-        inputs = sample_inputs(model, args.batch, args.seq, seed=1)
-        with tempfile.TemporaryDirectory() as folder:
-            kind = artifact_kind(result.program)
-            path = Path(folder) / f"model{kind.suffix}"
-            start = time.perf_counter()
-            kind.save(result.program, path)
-            print(f"serialize {time.perf_counter() - start:.2f}s, {path.stat().st_size / 2**20:.1f} MiB")
-            run = runtime_runner(path, args.format)
-            with torch.no_grad():
-                eager_ms = median_ms(lambda: model(**inputs), args.repeats)
-                artifact_ms = median_ms(lambda: run(inputs), args.repeats)
-        print(
-            f"latency on ({args.batch}, {args.seq}), median of {args.repeats}: "
-            f"eager PyTorch {eager_ms:.2f} ms | {args.format} {artifact_ms:.2f} ms "
-            f"({eager_ms / artifact_ms:.2f}x eager speed)"
-        )
+
+def benchmark(size: str, args: argparse.Namespace) -> None:
+    model = PRESETS["tiny-llama"].build(**SIZES[size])
+    parameters = sum(p.numel() for p in model.parameters()) / 1e6
+    config = AutoExportConfig.from_dict({"export_format": args.format, "dynamic": True})
+    result = AutoHfExporter.from_config(config).run(model, sample_inputs(model), config)
+    print(f"\n## {size} Llama ({parameters:.1f}M parameters), format {args.format}\n")
+    print(stage_table(result.records))
+    total = sum(r.seconds for r in result.records)
+    print(f"\ntotal export time {total:.2f}s")
+
+    inputs = sample_inputs(model, args.batch, args.seq, seed=1)
+    with tempfile.TemporaryDirectory() as folder:
+        kind = artifact_kind(result.program)
+        path = Path(folder) / f"model{kind.suffix}"
+        start = time.perf_counter()
+        kind.save(result.program, path)
+        print(f"serialize {time.perf_counter() - start:.2f}s, {path.stat().st_size / 2**20:.1f} MiB")
+        run = runtime_runner(path, args.format)
+        with torch.no_grad():
+            eager_ms = median_ms(lambda: model(**inputs), args.repeats)
+            artifact_ms = median_ms(lambda: run(inputs), args.repeats)
+    print(
+        f"latency on ({args.batch}, {args.seq}), median of {args.repeats}: "
+        f"eager PyTorch {eager_ms:.2f} ms | {args.format} {artifact_ms:.2f} ms "
+        f"({eager_ms / artifact_ms:.2f}x eager speed)"
+    )
 
 
 if __name__ == "__main__":
