@@ -5,7 +5,7 @@ every stage can dump its graph, be timed and be checked against eager PyTorch.
 """
 
 from hfexport.auto import AutoExportConfig, AutoHfExporter, register_backend
-from hfexport.configs import DynamoConfig, OnnxConfig
+from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig
 from hfexport.errors import (
     CaptureError,
     ConfigError,
@@ -16,7 +16,7 @@ from hfexport.errors import (
     UnsupportedModelError,
     VerificationError,
 )
-from hfexport.exporters import DynamoExporter, HfExporter, OnnxExporter
+from hfexport.exporters import DynamoExporter, ExecutorchExporter, HfExporter, OnnxExporter
 from hfexport.pipeline.instruments import Instrument, StepRecord
 from hfexport.pipeline.pass_manager import (
     Pass,
@@ -30,7 +30,7 @@ from hfexport.pipeline.pass_manager import (
 from hfexport.pipeline.patches import PATCHES, Patch, patches_applied, register_patch
 from hfexport.pipeline.pipeline import Pipeline, PipelineResult
 from hfexport.pipeline.pytree import register_pytree_node
-from hfexport.runtime import OnnxRunner, load_exported_program
+from hfexport.runtime import ExecutorchRunner, OnnxRunner, load_exported_program
 
 __all__ = [
     "PATCHES",
@@ -40,6 +40,9 @@ __all__ = [
     "ConfigError",
     "DynamoConfig",
     "DynamoExporter",
+    "ExecutorchConfig",
+    "ExecutorchExporter",
+    "ExecutorchRunner",
     "HfExportError",
     "HfExporter",
     "Instrument",

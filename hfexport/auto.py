@@ -13,6 +13,7 @@ from hfexport.errors import ConfigError
 BACKENDS: dict[str, tuple[str, str]] = {
     "dynamo": ("hfexport.configs:DynamoConfig", "hfexport.exporters:DynamoExporter"),
     "onnx": ("hfexport.configs:OnnxConfig", "hfexport.exporters:OnnxExporter"),
+    "executorch": ("hfexport.configs:ExecutorchConfig", "hfexport.exporters:ExecutorchExporter"),
 }
 
 

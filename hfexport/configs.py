@@ -157,3 +157,46 @@ class OnnxConfig(DynamoConfig):
 
     opset_version: int | None = None
     optimize: bool = True
+
+
+EXECUTORCH_BACKENDS = ("xnnpack", "portable", "cuda")
+
+
+@dataclass
+class ExecutorchConfig(DynamoConfig):
+    """Config of :class:`~hfexport.ExecutorchExporter`: the :class:`DynamoConfig` fields plus
+
+    Args:
+        backend: ``"xnnpack"`` (CPU, default), ``"portable"`` (no delegation), or ``"cuda"``
+            (raises ``RuntimeError`` when CUDA is not available).
+        alloc_graph_input, alloc_graph_output, alloc_mutable_buffers: forwarded to ExecuTorch's
+            memory planning (whether the planner allocates graph inputs, outputs and mutable
+            buffers, or the caller provides them).
+        max_seq_len: upper bound of every dynamic axis other than the batch axis; ``None`` takes
+            the model config's ``max_position_embeddings``.
+        max_batch_size: upper bound of every dynamic batch axis (axis 0).
+
+    ExecuTorch plans memory for the largest allowed shapes, so every dynamic axis needs an upper
+    bound: an explicit ``Dim(max=...)`` is kept, and an unbounded axis (``dynamic=True``, or a
+    ``Dim`` without ``max``) gets ``max_batch_size`` (axis 0) or ``max_seq_len`` (other axes).
+    The bounds are logged and written to the report.
+    """
+
+    export_format: ClassVar[str] = "executorch"
+
+    backend: str = "xnnpack"
+    alloc_graph_input: bool = True
+    alloc_graph_output: bool = True
+    alloc_mutable_buffers: bool = True
+    max_seq_len: int | None = None
+    max_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.backend not in EXECUTORCH_BACKENDS:
+            raise ConfigError(f"unknown ExecuTorch backend {self.backend!r}; valid backends: {', '.join(EXECUTORCH_BACKENDS)}")
+        if self.backend == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(
+                "ExecutorchConfig(backend='cuda') needs a CUDA-enabled PyTorch and a visible CUDA device, and "
+                "torch.cuda.is_available() is False here; use backend='xnnpack' to target the CPU"
+            )

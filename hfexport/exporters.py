@@ -6,11 +6,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from hfexport.configs import DynamoConfig, OnnxConfig
+from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig
 from hfexport.errors import ConfigError
 from hfexport.pipeline.instruments import Instrument
 from hfexport.pipeline.pass_manager import PassManager, resolve_passes
-from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult, PipelineRun, Stage, TransformStage
+from hfexport.pipeline.pipeline import CaptureStage, PassStage, Pipeline, PipelineResult, PipelineRun, Stage, TransformStage
 from hfexport.versions import warn_on_version_drift
 
 FX_PASSES = "fx_passes"
@@ -35,6 +35,10 @@ class HfExporter:
     def lowering_stages(self, config: Any) -> list[Stage | str]:
         """The stages after the FX passes (none for the Dynamo exporter)."""
         return []
+
+    def capture_stage(self, config: Any) -> CaptureStage:
+        """The capture stage (backends that need bounded dynamic axes override this)."""
+        return CaptureStage()
 
     def pass_list(self, config: Any) -> list[Any]:
         """The configured pass list: ``config.passes`` or the default list."""
@@ -67,7 +71,7 @@ class HfExporter:
                 )
             by_stage[pass_.stage].append(pass_)
         stages = [PassStage(s, PassManager(by_stage[s])) if isinstance(s, str) else s for s in layout]
-        return Pipeline.for_config(stages, config, instruments)
+        return Pipeline.for_config(stages, config, instruments, self.capture_stage(config))
 
     def run(
         self, model: torch.nn.Module, inputs: Any, config: Any = None, instruments: tuple[Instrument, ...] = ()
@@ -120,3 +124,34 @@ class OnnxExporter(HfExporter):
             return to_onnx(program, config.opset_version, run.input_axes)
 
         return [TransformStage("to_onnx", lower), "onnx_passes"]
+
+
+class ExecutorchExporter(HfExporter):
+    """Export to an ExecuTorch ``ExecutorchProgramManager`` (XNNPACK-delegated by default):
+    ``.save("model.pte")``, then run it with ``executorch.runtime``."""
+
+    export_format = "executorch"
+    config_class = ExecutorchConfig
+    default_passes = (
+        *CLEANUP_PASSES,
+        "grouped_mm_to_batched_mm",
+        "histc_to_comparisons",
+        "sort_to_topk",
+        "empty_like_to_zeros_like",
+        "dead_code_elimination",
+    )
+
+    def capture_stage(self, config: ExecutorchConfig) -> CaptureStage:
+        from hfexport.lowering.executorch import BoundedCaptureStage
+
+        return BoundedCaptureStage()
+
+    def lowering_stages(self, config: ExecutorchConfig) -> list[Stage | str]:
+        from hfexport.lowering import executorch
+
+        partitioners = executorch.partitioners(config.backend)
+        return [
+            TransformStage("to_edge", lambda program, run: executorch.to_edge(program, partitioners)),
+            TransformStage("delegate", lambda edge, run: executorch.delegate(edge, partitioners, run)),
+            TransformStage("to_executorch", lambda edge, run: executorch.to_executorch(edge, config)),
+        ]

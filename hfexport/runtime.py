@@ -98,3 +98,60 @@ class OnnxRunner:
     def run_dict(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The outputs by name."""
         return dict(zip(self.output_names, self.session.run(None, self.feed(inputs)), strict=True))
+
+
+class ExecutorchRunner:
+    """The ExecuTorch Python runtime over a ``.pte`` file (or its bytes), fed with the model's
+    keyword inputs in order (caches flattened).
+
+    Each input is checked against the program's planned (upper-bound) sizes before running, so an
+    out-of-range shape raises :class:`~hfexport.HfExportError` naming the input, the axis and the
+    bound instead of the runtime's bare error code. Input names come from the ``<file>.json``
+    that hfexport writes next to a saved ``.pte``.
+    """
+
+    def __init__(self, source: str | Path | bytes) -> None:
+        from executorch.runtime import Runtime
+
+        self.program = Runtime.get().load_program(source if isinstance(source, bytes) else str(source))
+        self.method = self.program.load_method("forward")
+        meta = self.method.metadata
+        self.upper_bounds = [tuple(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
+        sidecar = None if isinstance(source, bytes) else Path(f"{source}.json")
+        names = json.loads(sidecar.read_text())["inputs"] if sidecar and sidecar.is_file() else []
+        self.input_names = names if len(names) == len(self.upper_bounds) else [
+            f"input {i}" for i in range(len(self.upper_bounds))
+        ]
+
+    def flat_inputs(self, inputs: dict[str, Any]) -> list[torch.Tensor]:
+        import torch.utils._pytree as pytree
+
+        from hfexport.pipeline.capture import normalize_inputs
+        from hfexport.pipeline.pytree import register_cache_pytrees
+
+        register_cache_pytrees()
+        leaves = pytree.tree_leaves(normalize_inputs(inputs, renames=True))
+        return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+    def check(self, tensors: list[torch.Tensor]) -> None:
+        if len(tensors) != len(self.upper_bounds):
+            raise HfExportError(
+                f"the program takes {len(self.upper_bounds)} input tensors ({', '.join(self.input_names)}), "
+                f"got {len(tensors)}"
+            )
+        for name, tensor, bounds in zip(self.input_names, tensors, self.upper_bounds, strict=True):
+            if tensor.dim() != len(bounds):
+                raise HfExportError(f"input {name!r} has rank {tensor.dim()}, the program expects {len(bounds)}")
+            for axis, (size, bound) in enumerate(zip(tensor.shape, bounds, strict=True)):
+                if size > bound:
+                    raise HfExportError(
+                        f"input {name!r} axis {axis} has size {size}, above the program's upper bound {bound} "
+                        "(ExecuTorch plans memory for the bounds fixed at export: raise max_seq_len / "
+                        "max_batch_size or the Dim max and export again)"
+                    )
+
+    def run(self, inputs: dict[str, Any]) -> list[Any]:
+        """The program's outputs, in order."""
+        tensors = self.flat_inputs(inputs)
+        self.check(tensors)
+        return list(self.method.execute(tensors))

@@ -19,9 +19,10 @@ class ArtifactKind:
     suffix: str  # file suffix at stage boundaries, e.g. ".pt2"
     text: Callable[[Any], str]
     histogram: Callable[[Any], Counter]
-    save: Callable[[Any, Path], None]
-    # run(program, inputs) -> flat list of output tensors, in torch.export's output order
-    run: Callable[[Any, dict[str, Any]], list[torch.Tensor]]
+    save: Callable[[Any, Path], None] | None  # None: nothing to save at this step (graph text only)
+    # run(program, inputs) -> flat list of output tensors, in torch.export's output order; None:
+    # this kind of program cannot be run on its own (numerics are checked at the next stage)
+    run: Callable[[Any, dict[str, Any]], list[torch.Tensor]] | None
     # a copy a failing pass cannot have half-rewritten (dumped as the pass's reproducer input)
     snapshot: Callable[[Any], Any]
     # dumps save the artifact after every pass too, not only at stage boundaries
@@ -49,8 +50,13 @@ def node_count(histogram: Counter) -> int:
 # --- torch.export ExportedProgram ----------------------------------------------------------------
 
 
+def graph_histogram(graph: torch.fx.Graph) -> Counter:
+    """Op histogram of an FX graph: call targets, plus placeholder / output / get_attr counts."""
+    return Counter(str(node.target) if node.op == "call_function" else node.op for node in graph.nodes)
+
+
 def _ep_histogram(program: torch.export.ExportedProgram) -> Counter:
-    return Counter(str(node.target) if node.op == "call_function" else node.op for node in program.graph.nodes)
+    return graph_histogram(program.graph)
 
 
 def _ep_save(program: torch.export.ExportedProgram, path: Path) -> None:

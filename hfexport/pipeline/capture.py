@@ -11,13 +11,14 @@ import contextlib
 import copy
 import inspect
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import sympy
 import torch
 import torch.utils._pytree as pytree
+from torch.export.dynamic_shapes import _DimHint, _DimHintType
 from torch.utils._sympy.numbers import int_oo
 
 from hfexport.errors import CaptureError, ConfigError, UnsupportedModelError
@@ -93,16 +94,24 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
             module.training = flag
 
 
-def auto_dynamic_shapes(inputs: dict[str, Any]) -> Any:
-    """``dynamic_shapes`` marking every axis of every input tensor ``Dim.AUTO``.
+AxisBound = Callable[[int], int | None]  # axis index -> upper bound (None: unbounded)
+
+
+def auto_dynamic_shapes(inputs: dict[str, Any], axis_bound: AxisBound | None = None) -> Any:
+    """``dynamic_shapes`` marking every axis of every input tensor ``Dim.AUTO`` (bounded above by
+    ``axis_bound(axis)`` when given).
 
     torch.export expects a registered custom pytree node (a cache) to be described by the list of
     its children's specs, so those are expanded one level at a time.
     """
 
+    def hint(axis: int) -> Any:
+        upper = axis_bound(axis) if axis_bound else None
+        return torch.export.Dim.AUTO if upper is None else torch.export.Dim.AUTO(max=upper)
+
     def axes(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return {axis: torch.export.Dim.AUTO for axis in range(value.dim())}
+            return {axis: hint(axis) for axis in range(value.dim())}
         if isinstance(value, dict):
             return {key: axes(item) for key, item in value.items()}
         if type(value) in (list, tuple):
@@ -114,6 +123,40 @@ def auto_dynamic_shapes(inputs: dict[str, Any]) -> Any:
         return None
 
     return {name: axes(value) for name, value in inputs.items()}
+
+
+def bound_dynamic_shapes(dynamic_shapes: Any, axis_bound: AxisBound) -> Any:
+    """Explicit ``dynamic_shapes`` with every ``Dim`` / ``Dim.AUTO`` lacking an upper bound given
+    ``axis_bound(axis)``; bounded and derived dims are kept. Dims are rebuilt once per name so
+    shared dims stay shared."""
+    rebuilt: dict[str, Any] = {}
+
+    def bound(axis: int, dim: Any) -> Any:
+        upper = axis_bound(axis)
+        if upper is None or dim is None:
+            return dim
+        if isinstance(dim, _DimHint):
+            if dim.type is _DimHintType.STATIC or dim.max is not None:
+                return dim
+            return getattr(torch.export.Dim, dim.type.name)(min=dim.min, max=upper)
+        if type(dim) is torch.export.Dim and dim.max == int_oo:  # derived dims are other types
+            if dim.__name__ not in rebuilt:
+                rebuilt[dim.__name__] = torch.export.Dim(dim.__name__, min=dim.min, max=max(upper, dim.min + 1))
+            return rebuilt[dim.__name__]
+        return dim
+
+    def walk(spec: Any) -> Any:
+        if isinstance(spec, Mapping) and all(isinstance(k, int) for k in spec):
+            return {axis: bound(axis, dim) for axis, dim in spec.items()}
+        if isinstance(spec, Mapping):
+            return {key: walk(value) for key, value in spec.items()}
+        if isinstance(spec, (list, tuple)) and any(isinstance(s, (_DimHint, torch.export.Dim)) for s in spec):
+            return type(spec)(bound(axis, dim) for axis, dim in enumerate(spec))
+        if isinstance(spec, (list, tuple)):
+            return type(spec)(walk(s) for s in spec)
+        return spec
+
+    return walk(dynamic_shapes)
 
 
 @dataclass
@@ -187,11 +230,15 @@ def input_axes(program: torch.export.ExportedProgram, inputs: dict[str, Any], dy
     return table
 
 
-def capture(model: torch.nn.Module, inputs: Any, config: Any) -> tuple[torch.export.ExportedProgram, list[InputAxis]]:
+def capture(
+    model: torch.nn.Module, inputs: Any, config: Any, axis_bound: AxisBound | None = None
+) -> tuple[torch.export.ExportedProgram, list[InputAxis]]:
     """Trace ``model(**inputs)`` with ``torch.export`` under the registered patches.
 
-    Returns the program and the input-axes table. Axes the user asked to be dynamic that
-    torch.export specialised (typically a size-1 sample axis) are logged once each.
+    ``axis_bound(axis)`` gives unbounded dynamic axes an upper bound (backends that plan memory
+    for the largest shape need one). Returns the program and the input-axes table. Axes the user
+    asked to be dynamic that torch.export specialised (typically a size-1 sample axis) are logged
+    once each.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
@@ -201,7 +248,7 @@ def capture(model: torch.nn.Module, inputs: Any, config: Any) -> tuple[torch.exp
     register_cache_pytrees()
     inputs = normalize_inputs(inputs, model)
     if config.dynamic:
-        dynamic_shapes = auto_dynamic_shapes(inputs)
+        dynamic_shapes = auto_dynamic_shapes(inputs, axis_bound)
     else:
         dynamic_shapes = config.dynamic_shapes
         if isinstance(dynamic_shapes, Mapping):
@@ -212,6 +259,8 @@ def capture(model: torch.nn.Module, inputs: Any, config: Any) -> tuple[torch.exp
                     f"inputs are: {', '.join(inputs)}"
                 )
             dynamic_shapes = {name: dynamic_shapes.get(name) for name in inputs}
+        if axis_bound is not None and dynamic_shapes is not None:
+            dynamic_shapes = bound_dynamic_shapes(dynamic_shapes, axis_bound)
     traced_inputs = copy_inputs(inputs)
     try:
         with eval_mode(model), patches_applied():

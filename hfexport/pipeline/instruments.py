@@ -44,6 +44,7 @@ class StepRecord:
     counts: dict[str, int] = field(default_factory=dict)
     dump_path: Path | None = None
     error: str | None = None
+    files: dict[str, str] = field(default_factory=dict)  # extra dump files: name -> text
     children: list[StepRecord] = field(default_factory=list)
 
     @property
@@ -189,6 +190,8 @@ class NumericsInstrument(Instrument):
             runner = artifact_kind(program).run
         except TypeError:
             return
+        if runner is None:
+            return
         step.max_abs_diff = max_abs_diff(self.reference, runner(program, self.inputs))
         if step.max_abs_diff > self.tolerance:
             raise VerificationError(
@@ -239,14 +242,16 @@ class DumpInstrument(Instrument):
         stats = {"nodes": node_count(histogram), "op_histogram": histogram}
         if step.counts:
             stats["counts"] = step.counts
+        for name, text in step.files.items():
+            (folder / name).write_text(text)
         (folder / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-        if step.kind == "stage" or kind.save_each_pass:
+        if kind.save is not None and (step.kind == "stage" or kind.save_each_pass):
             kind.save(program, folder / f"program{kind.suffix}")
 
     def on_error(self, step: StepRecord, program: Any, error: BaseException) -> None:
         folder = self._folder(step)
         (folder / "error.txt").write_text(f"{type(error).__name__}: {error}\n")
-        if step.kind == "pass" and self._pass_input is not None:
+        if step.kind == "pass" and self._pass_input is not None and artifact_kind(self._pass_input).save:
             kind = artifact_kind(self._pass_input)
             path = folder / f"input{kind.suffix}"
             kind.save(self._pass_input, path)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hfexport.errors import HfExportError, PassError, StageError
-from hfexport.pipeline.capture import InputAxis, capture, normalize_inputs
+from hfexport.pipeline.capture import AxisBound, InputAxis, capture, normalize_inputs
 from hfexport.pipeline.instruments import (
     DumpInstrument,
     Instrument,
@@ -35,8 +35,13 @@ class CaptureStage(Stage):
 
     name = "capture"
 
+    def axis_bound(self, run: PipelineRun) -> AxisBound | None:
+        """Upper bounds for unbounded dynamic axes (none here; backends that plan memory for the
+        largest shape override this)."""
+        return None
+
     def run(self, program: Any, run: PipelineRun) -> torch.export.ExportedProgram:
-        captured, run.input_axes = capture(run.model, run.inputs, run.config)
+        captured, run.input_axes = capture(run.model, run.inputs, run.config, self.axis_bound(run))
         return captured
 
 
@@ -189,19 +194,27 @@ class Pipeline:
     can be edited in code before :meth:`run`.
     """
 
-    def __init__(self, stages: Sequence[Stage], instruments: Sequence[Instrument] = ()) -> None:
-        self.stages: list[Stage] = [CaptureStage(), *stages]
+    def __init__(
+        self, stages: Sequence[Stage], instruments: Sequence[Instrument] = (), capture: CaptureStage | None = None
+    ) -> None:
+        self.stages: list[Stage] = [capture or CaptureStage(), *stages]
         self.instruments: list[Instrument] = list(instruments)
 
     @classmethod
-    def for_config(cls, stages: Sequence[Stage], config: Any, extra: Sequence[Instrument] = ()) -> Pipeline:
+    def for_config(
+        cls,
+        stages: Sequence[Stage],
+        config: Any,
+        extra: Sequence[Instrument] = (),
+        capture: CaptureStage | None = None,
+    ) -> Pipeline:
         """A pipeline with the instruments a config asks for (timing always; dump, numerics)."""
         instruments: list[Instrument] = [TimingInstrument()]
         if config.dump_dir:
             instruments.append(DumpInstrument(config.dump_dir))
         if config.verify:
             instruments.append(NumericsInstrument(config.tolerance))
-        return cls(stages, [*instruments, *extra])
+        return cls(stages, [*instruments, *extra], capture)
 
     @property
     def passes(self) -> PassManager:
