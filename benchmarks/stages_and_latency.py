@@ -20,6 +20,7 @@ import torch
 
 from hfexport import AutoExportConfig, AutoHfExporter
 from hfexport.pipeline.artifacts import artifact_kind
+from hfexport.pipeline.instruments import StepRecord, measured
 from hfexport.pipeline.pipeline import stage_table
 from hfexport.presets import PRESETS, sample_inputs
 
@@ -82,22 +83,22 @@ def benchmark(size: str, args: argparse.Namespace) -> None:
     parameters = sum(p.numel() for p in model.parameters()) / 1e6
     config = AutoExportConfig.from_dict({"export_format": args.format, "dynamic": True})
     result = AutoHfExporter.from_config(config).run(model, sample_inputs(model), config)
-    print(f"\n## {size} Llama ({parameters:.1f}M parameters), format {args.format}\n")
-    print(stage_table(result.records))
-    total = sum(r.seconds for r in result.records)
-    print(f"\ntotal export time {total:.2f}s")
-
     inputs = sample_inputs(model, args.batch, args.seq, seed=1)
     with tempfile.TemporaryDirectory() as folder:
         kind = artifact_kind(result.program)
         path = Path(folder) / f"model{kind.suffix}"
-        start = time.perf_counter()
-        kind.save(result.program, path)
-        print(f"serialize {time.perf_counter() - start:.2f}s, {path.stat().st_size / 2**20:.1f} MiB")
+        with measured(StepRecord("serialize", "stage", len(result.records))) as serialize:
+            kind.save(result.program, path)
+        size_mb = path.stat().st_size / 2**20
         run = runtime_runner(path, args.format)
         with torch.no_grad():
             eager_ms = median_ms(lambda: model(**inputs), args.repeats)
             artifact_ms = median_ms(lambda: run(inputs), args.repeats)
+
+    print(f"\n## {size} Llama ({parameters:.1f}M parameters), format {args.format}\n")
+    print(stage_table([*result.records, serialize]))
+    total = sum(r.seconds for r in result.records) + serialize.seconds
+    print(f"\ntotal export time {total:.2f}s, artifact {size_mb:.1f} MiB")
     print(
         f"latency on ({args.batch}, {args.seq}), median of {args.repeats}: "
         f"eager PyTorch {eager_ms:.2f} ms | {args.format} {artifact_ms:.2f} ms "

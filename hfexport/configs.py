@@ -194,7 +194,9 @@ class ExecutorchConfig(DynamoConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.backend not in EXECUTORCH_BACKENDS:
-            raise ConfigError(f"unknown ExecuTorch backend {self.backend!r}; valid backends: {', '.join(EXECUTORCH_BACKENDS)}")
+            raise ConfigError(
+                f"unknown ExecuTorch backend {self.backend!r}; valid backends: {', '.join(EXECUTORCH_BACKENDS)}"
+            )
         if self.backend == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(
                 "ExecutorchConfig(backend='cuda') needs a CUDA-enabled PyTorch and a visible CUDA device, and "

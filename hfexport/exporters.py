@@ -10,7 +10,15 @@ from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig
 from hfexport.errors import ConfigError
 from hfexport.pipeline.instruments import Instrument
 from hfexport.pipeline.pass_manager import PassManager, resolve_passes
-from hfexport.pipeline.pipeline import CaptureStage, PassStage, Pipeline, PipelineResult, PipelineRun, Stage, TransformStage
+from hfexport.pipeline.pipeline import (
+    CaptureStage,
+    PassStage,
+    Pipeline,
+    PipelineResult,
+    PipelineRun,
+    Stage,
+    TransformStage,
+)
 from hfexport.versions import warn_on_version_drift
 
 FX_PASSES = "fx_passes"

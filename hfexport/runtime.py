@@ -119,9 +119,9 @@ class ExecutorchRunner:
         self.upper_bounds = [tuple(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
         sidecar = None if isinstance(source, bytes) else Path(f"{source}.json")
         names = json.loads(sidecar.read_text())["inputs"] if sidecar and sidecar.is_file() else []
-        self.input_names = names if len(names) == len(self.upper_bounds) else [
-            f"input {i}" for i in range(len(self.upper_bounds))
-        ]
+        self.input_names = (
+            names if len(names) == len(self.upper_bounds) else [f"input {i}" for i in range(len(self.upper_bounds))]
+        )
 
     def flat_inputs(self, inputs: dict[str, Any]) -> list[torch.Tensor]:
         import torch.utils._pytree as pytree

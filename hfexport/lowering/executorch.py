@@ -76,7 +76,6 @@ def to_edge(program: torch.export.ExportedProgram, partitioners: list[Any]) -> A
     delegates; the delegation is the next stage so each can be dumped and timed."""
     from executorch.exir import EdgeCompileConfig
     from executorch.exir.program._program import _gen_edge_manager_for_partitioners
-
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     config = EdgeCompileConfig(_check_ir_validity=False)
@@ -181,7 +180,9 @@ def _register() -> None:
 
     register_artifact_kind(
         EdgeProgramManager,
-        ArtifactKind(suffix=".pt2", text=_edge_text, histogram=_edge_histogram, save=None, run=None, snapshot=_snapshot),
+        ArtifactKind(
+            suffix=".pt2", text=_edge_text, histogram=_edge_histogram, save=None, run=None, snapshot=_snapshot
+        ),
     )
     register_artifact_kind(
         ExecutorchProgramManager,

@@ -7,11 +7,13 @@ off are simply not in the list, so they cost nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -98,6 +100,19 @@ def _reset_peak_rss() -> None:
             clear_refs.write("5")
     except OSError:
         pass
+
+
+@contextlib.contextmanager
+def measured(record: StepRecord) -> Iterator[StepRecord]:
+    """Time a block and record its peak RSS into ``record`` (for work outside a pipeline, such
+    as serialising an artifact in a benchmark)."""
+    _reset_peak_rss()
+    started = time.perf_counter()
+    try:
+        yield record
+    finally:
+        record.seconds = time.perf_counter() - started
+        record.peak_rss_mb = _read_peak_rss_kb() / 1024
 
 
 class TimingInstrument(Instrument):

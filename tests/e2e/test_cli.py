@@ -87,3 +87,13 @@ def test_export_onnx_with_dumps_and_verify(tmp_path):
     assert (dumps / "03_onnx_passes" / "00_onnx_optimizer" / "graph.txt").read_text().startswith("<")
     report = (dumps / "report.md").read_text()
     assert "| to_onnx |" in report and "| ↳ onnx_optimizer |" in report
+
+
+def test_export_executorch(tmp_path):
+    out, dumps = tmp_path / "out", tmp_path / "dumps"
+    result = run(
+        "export", "tiny-llama", "--format", "executorch", "--dynamic", "--out", out, "--dump-dir", dumps, "--verify"
+    )
+    assert (out / "model.pte").is_file() and (out / "model.pte.json").is_file()
+    assert (dumps / "03_delegate" / "delegation.md").is_file()
+    assert "| delegate |" in result.stdout

@@ -1,0 +1,137 @@
+"""ExecutorchExporter end to end with the real ExecuTorch runtime on the saved .pte."""
+
+import pytest
+import torch
+from models import build, eager, main_output, sample_inputs
+
+from hfexport import (
+    AutoExportConfig,
+    AutoHfExporter,
+    ExecutorchConfig,
+    ExecutorchExporter,
+    ExecutorchRunner,
+    HfExportError,
+)
+
+SHAPES = [(2, 8), (3, 13), (1, 5), (2, 80)]
+
+
+@pytest.mark.parametrize(
+    "preset", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-phi3", "tiny-gpt2", "tiny-bert"]
+)
+def test_executorch_runtime_matches_eager(preset, tmp_path):
+    model = build(preset)
+    result = ExecutorchExporter().run(model, sample_inputs(model, 2, 8), ExecutorchConfig(dynamic=True))
+    result.program.save(str(tmp_path / "model.pte"))
+    runner = ExecutorchRunner(tmp_path / "model.pte")
+    for batch, seq in SHAPES:  # 80 is within the bound (max_position_embeddings = 512)
+        inputs = sample_inputs(model, batch, seq, seed=batch + seq)
+        got = runner.run(inputs)[0]
+        torch.testing.assert_close(got, main_output(eager(model, inputs)), atol=1e-4, rtol=0)
+    assert result.record("capture").counts == {"max_batch_size": 32, "max_seq_len": 512}
+
+
+def test_spec_example_runs_unchanged(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = build("tiny-qwen3")
+    inputs = sample_inputs(model, 1, 6)  # stands in for tokenizer("Hello, world!", return_tensors="pt")
+
+    exporter = ExecutorchExporter()
+    config = ExecutorchConfig(backend="xnnpack", dynamic=True)
+    et_program = exporter.export(model, inputs, config=config)
+
+    # save for on-device deployment
+    et_program.save("model.pte")
+
+    # load and run via the ExecuTorch Python runtime
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program("model.pte")
+    method = program.load_method("forward")
+    outputs = method.execute(list(inputs.values()))
+
+    torch.testing.assert_close(outputs[0], eager(model, inputs).logits, atol=1e-4, rtol=0)
+
+
+def test_spec_explicit_dynamic_shapes_example_and_out_of_bounds_error(tmp_path):
+    model = build("tiny-llama")
+    inputs = sample_inputs(model, 2, 8)
+    inputs["attention_mask"][1, :5] = 0
+
+    batch = torch.export.Dim("batch", min=1, max=32)
+    seq = torch.export.Dim("seq", min=1, max=64)
+
+    exporter = ExecutorchExporter()
+    config = ExecutorchConfig(
+        backend="xnnpack",
+        dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
+        prefer_deferred_runtime_asserts_over_guards=True,
+    )
+    result = exporter.run(model, inputs, config=config)
+    result.program.save(str(tmp_path / "model.pte"))
+    # hfexport's own save writes the names next to the program for readable errors
+    from hfexport.lowering.executorch import save_pte
+
+    save_pte(result.program, tmp_path / "named.pte")
+    runner = ExecutorchRunner(tmp_path / "named.pte")
+    for shape in [(2, 8), (4, 21)]:
+        sample = sample_inputs(model, *shape, seed=5)
+        torch.testing.assert_close(runner.run(sample)[0], eager(model, sample).logits, atol=1e-4, rtol=0)
+    with pytest.raises(HfExportError, match="input 'input_ids' axis 1 has size 80, above the program's upper bound 64"):
+        runner.run(sample_inputs(model, 2, 80))
+    with pytest.raises(HfExportError, match="input 0.*axis 1 has size 80, above the program's upper bound 64"):
+        ExecutorchRunner(tmp_path / "model.pte").run(sample_inputs(model, 2, 80))
+    axes = {(a.input, a.axis): a for a in result.input_axes}
+    assert axes[("input_ids", 1)].max == 64
+
+
+def test_unbounded_axes_get_the_documented_bounds():
+    model = build("tiny-gpt2")
+    result = ExecutorchExporter().run(model, sample_inputs(model), ExecutorchConfig(dynamic=True, max_seq_len=40))
+    axes = {(a.input, a.axis): a for a in result.input_axes}
+    assert axes[("input_ids", 0)].max == 32 and axes[("input_ids", 1)].max == 40
+    assert "max_seq_len=40" in result.report
+    runner = ExecutorchRunner(result.program.buffer)
+    with pytest.raises(HfExportError, match="axis 1 has size 41, above the program's upper bound 40"):
+        runner.run(sample_inputs(model, 1, 41))
+
+
+def test_cuda_backend_without_cuda_is_a_runtime_error():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        ExecutorchConfig(backend="cuda")
+
+
+def test_delegation_summary_shows_linear_layers_on_xnnpack(tmp_path):
+    model = build("tiny-llama")
+    result = ExecutorchExporter().run(model, sample_inputs(model), ExecutorchConfig(dynamic=True, dump_dir=tmp_path))
+    summary = (tmp_path / "03_delegate" / "delegation.md").read_text()
+    linears = 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and lm_head
+    assert f"| aten_linear_default | {linears} | 0 |" in summary
+    assert result.record("delegate").counts["delegated_nodes"] > 0
+    assert (tmp_path / "04_to_executorch" / "program.pte").is_file()
+
+
+def test_portable_backend_delegates_nothing_and_matches():
+    model = build("tiny-llama")
+    result = ExecutorchExporter().run(
+        model, sample_inputs(model), ExecutorchConfig(backend="portable", dynamic=True, verify=True)
+    )
+    assert result.record("delegate").counts["delegated_nodes"] == 0
+    assert result.record("to_executorch").max_abs_diff <= 1e-4
+
+
+def test_memory_planning_flags_reach_the_program():
+    model = build("tiny-llama")
+    config = ExecutorchConfig(dynamic=True, alloc_graph_input=False, alloc_graph_output=False)
+    program = ExecutorchExporter().export(model, sample_inputs(model), config)
+    meta = ExecutorchRunner(program.buffer).method.metadata
+    assert not meta.input_tensor_meta(0).is_memory_planned()
+    assert not meta.output_tensor_meta(0).is_memory_planned()
+    default = ExecutorchExporter().export(model, sample_inputs(model), ExecutorchConfig(dynamic=True))
+    assert ExecutorchRunner(default.buffer).method.metadata.input_tensor_meta(0).is_memory_planned()
+
+
+def test_auto_classes_pick_executorch():
+    config = AutoExportConfig.from_dict({"export_format": "executorch", "dynamic": True, "max_seq_len": 128})
+    assert isinstance(config, ExecutorchConfig) and config.backend == "xnnpack" and config.max_seq_len == 128
+    assert isinstance(AutoHfExporter.from_config(config), ExecutorchExporter)
