@@ -17,6 +17,7 @@ from hfexport.errors import (
     VerificationError,
 )
 from hfexport.exporters import DynamoExporter, ExecutorchExporter, HfExporter, OnnxExporter
+from hfexport.pipeline.generation import decompose_for_generation
 from hfexport.pipeline.instruments import Instrument, StepRecord
 from hfexport.pipeline.pass_manager import (
     Pass,
@@ -61,6 +62,7 @@ __all__ = [
     "StepRecord",
     "UnsupportedModelError",
     "VerificationError",
+    "decompose_for_generation",
     "get_pass",
     "graph_pass",
     "load_exported_program",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig
-from hfexport.errors import ConfigError
+from hfexport.errors import ConfigError, HfExportError
 from hfexport.pipeline.instruments import Instrument
 from hfexport.pipeline.pass_manager import PassManager, resolve_passes
 from hfexport.pipeline.pipeline import (
@@ -93,8 +95,40 @@ class HfExporter:
         are not modified."""
         return self.run(model, inputs, config).program
 
+    def export_for_generation(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        config: Any = None,
+        generation_config: Any = None,
+        multi_token_decode: bool = False,
+    ) -> dict[str, Any]:
+        """Export each component of ``model``'s generation loop (see
+        :func:`~hfexport.decompose_for_generation`): ``{component: program}``.
 
-CLEANUP_PASSES = ("remove_tensor_metadata_asserts", "remove_noop_conversions")
+        ``config`` is one config for every component or ``{component: config}``; with a
+        ``dump_dir``, each component dumps into its own subfolder. A failing component raises
+        :class:`~hfexport.HfExportError` naming it.
+        """
+        from hfexport.pipeline.generation import decompose_for_generation
+
+        components = decompose_for_generation(model, inputs, generation_config, multi_token_decode)
+        programs = {}
+        for name, (module, kwargs) in components.items():
+            component_config = config.get(name) if isinstance(config, dict) else config
+            component_config = copy.deepcopy(self._check_config(component_config))
+            if component_config.dump_dir:
+                component_config.dump_dir = str(Path(component_config.dump_dir) / name)
+            try:
+                programs[name] = self.export(module, kwargs, component_config)
+            except HfExportError as error:
+                raise type(error)(f"component {name!r}: {error}") from error
+            except Exception as error:
+                raise HfExportError(f"component {name!r} failed: {type(error).__name__}: {error}") from error
+        return programs
+
+
+CLEANUP_PASSES = ("remove_tensor_metadata_asserts", "remove_noop_conversions", "mark_cache_mutations")
 
 
 class DynamoExporter(HfExporter):

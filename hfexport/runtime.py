@@ -155,3 +155,89 @@ class ExecutorchRunner:
         tensors = self.flat_inputs(inputs)
         self.check(tensors)
         return list(self.method.execute(tensors))
+
+
+# --- greedy decoding over an exported static-cache decode graph ------------------------------
+
+
+def decode_mask(valid: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
+    """The 4-D boolean mask ``[batch, 1, queries, cache_len]`` of a static-cache decode step:
+    query at cache slot ``s`` sees slot ``j`` when ``j <= s`` and ``valid[b, j]`` (written and not
+    padding)."""
+    cache_len = valid.shape[-1]
+    causal = torch.arange(cache_len)[None, :] <= query_slots[:, None]
+    return (causal[None] & valid[:, None, :].bool())[:, None]
+
+
+def greedy_decode(
+    step: Any,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    max_cache_len: int,
+    prompt_mask: torch.Tensor | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int = 0,
+) -> torch.Tensor:
+    """Greedy generation with a static-cache decode graph that takes a whole prompt and then
+    one token per call. ``step(input_ids, attention_mask, position_ids) -> logits`` runs the
+    graph and keeps its cache. Returns ``[batch, prompt + new]`` token ids, like
+    ``model.generate(do_sample=False)``: left padding (``prompt_mask``) is honoured and rows that
+    produced ``eos_token_id`` are padded with ``pad_token_id``."""
+    batch, prompt_len = prompt_ids.shape
+    if prompt_len + max_new_tokens > max_cache_len:
+        raise HfExportError(
+            f"prompt ({prompt_len}) + new tokens ({max_new_tokens}) exceed the cache length {max_cache_len}"
+        )
+    prompt_mask = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask.long()
+    valid = torch.zeros(batch, max_cache_len, dtype=torch.long)
+    valid[:, :prompt_len] = prompt_mask
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = step(prompt_ids, decode_mask(valid, torch.arange(prompt_len)), positions)
+    tokens = [prompt_ids]
+    finished = torch.zeros(batch, dtype=torch.bool)
+    next_position = positions[:, -1:] + 1
+    for index in range(max_new_tokens):
+        next_token = logits[:, -1].argmax(-1, keepdim=True)
+        if eos_token_id is not None:
+            next_token = torch.where(finished[:, None], torch.full_like(next_token, pad_token_id), next_token)
+            finished |= next_token[:, 0] == eos_token_id
+        tokens.append(next_token)
+        if index == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+            break
+        slot = prompt_len + index
+        valid[:, slot] = 1
+        logits = step(next_token, decode_mask(valid, torch.tensor([slot])), next_position)
+        next_position = next_position + 1
+    return torch.cat(tokens, dim=1)
+
+
+class DynamoDecoder:
+    """``step`` for :func:`greedy_decode` over an exported decode ``ExportedProgram``: the static
+    cache is a copy of the one in the program's example inputs, reset, resized to the batch, and
+    updated in place by each call."""
+
+    def __init__(self, program: torch.export.ExportedProgram, batch_size: int) -> None:
+        import torch.utils._pytree as pytree
+
+        from hfexport.pipeline.pytree import register_cache_pytrees
+
+        register_cache_pytrees()
+        _, example = program.example_inputs
+        self.constants = {k: v for k, v in example.items() if not isinstance(v, torch.Tensor) and k != "cache"}
+        self.cache = pytree.tree_map(
+            lambda t: torch.zeros((batch_size, *t.shape[1:]), dtype=t.dtype) if t.dim() >= 2 else torch.zeros_like(t),
+            example["cache"],
+        )
+        self.max_cache_len = max(t.shape[2] for t in pytree.tree_leaves(self.cache) if t.dim() == 4)
+        self.module = program.module()
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out = self.module(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=self.cache,
+                **self.constants,
+            )
+        return out.logits

@@ -197,29 +197,33 @@ def _requested_axes(dynamic_shapes: Any, inputs: dict[str, Any]) -> dict[str, se
 def input_axes(program: torch.export.ExportedProgram, inputs: dict[str, Any], dynamic_shapes: Any) -> list[InputAxis]:
     """Every axis of every input tensor: dynamic with its range, or static; and whether the user
     asked it to be dynamic."""
+    from hfexport.pipeline.io_names import path_name, program_io_names
+
     requested = _requested_axes(dynamic_shapes, inputs)
-    user_inputs = [
-        spec.arg.name
-        for spec in program.graph_signature.input_specs
-        if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT
+    placeholders = [
+        n for n in program.graph.nodes if n.op == "placeholder"
     ]
-    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    leaves = pytree.tree_flatten_with_path(inputs)[0]
+    by_name = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
+    user_placeholders = [
+        n for n in placeholders if by_name[n.name].kind == torch.export.graph_signature.InputKind.USER_INPUT
+    ]
+    # torch.export orders user inputs by forward's signature, not by the inputs dict: match by name.
+    leaves = {path_name(path): (path, leaf) for path, leaf in pytree.tree_flatten_with_path(inputs)[0]}
     table = []
-    for (path, leaf), placeholder_name in zip(leaves, user_inputs, strict=False):
+    for name, placeholder in zip(program_io_names(program)[0], user_placeholders, strict=False):
+        path, leaf = leaves.get(name, ((), None))
         if not isinstance(leaf, torch.Tensor):
             continue
-        name = pytree.keystr(path).lstrip(".").replace("['", "").replace("']", "")
-        top = pytree.keystr(path[:1]).strip("[]'") if path else name
-        fake = placeholders[placeholder_name].meta.get("val")
-        for axis, size in enumerate(fake.shape if fake is not None else leaf.shape):
-            dynamic = isinstance(size, torch.SymInt)
+        fake = placeholder.meta.get("val")
+        for axis, size in enumerate(fake.shape if isinstance(fake, torch.Tensor) else leaf.shape):
+            # a SymInt the shape solver reduced to a constant is static
+            dynamic = isinstance(size, torch.SymInt) and not size.node.expr.is_number
             row = InputAxis(
                 input=name,
                 axis=axis,
                 size=int(leaf.shape[axis]),
                 dynamic=dynamic,
-                requested_dynamic=axis in requested.get(top, ()) and len(path) == 1,
+                requested_dynamic=len(path) == 1 and axis in requested.get(name, ()),
             )
             if dynamic:
                 bounds = program.range_constraints.get(size.node.expr)
@@ -228,6 +232,19 @@ def input_axes(program: torch.export.ExportedProgram, inputs: dict[str, Any], dy
                     row.max = None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
             table.append(row)
     return table
+
+
+def _check_no_var_keyword_inputs(model: torch.nn.Module, inputs: dict[str, Any]) -> None:
+    parameters = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        extra = [name for name in inputs if name not in parameters]
+        if extra:
+            raise ConfigError(
+                f"{type(model).__name__}.forward receives {extra} only through **kwargs, and torch.export "
+                "cannot combine such inputs with dynamic shapes (its constraint solver fails to match them); "
+                "drop them from the inputs (flags like return_dict have model-config defaults) or export "
+                "without dynamic shapes"
+            )
 
 
 def capture(
@@ -261,6 +278,8 @@ def capture(
             dynamic_shapes = {name: dynamic_shapes.get(name) for name in inputs}
         if axis_bound is not None and dynamic_shapes is not None:
             dynamic_shapes = bound_dynamic_shapes(dynamic_shapes, axis_bound)
+    if dynamic_shapes is not None:
+        _check_no_var_keyword_inputs(model, inputs)
     traced_inputs = copy_inputs(inputs)
     try:
         with eval_mode(model), patches_applied():

@@ -14,12 +14,13 @@ from hfexport.errors import ConfigError, PassError, PassOrderError
 
 @dataclass
 class PassResult:
-    """What a pass returns: the (possibly new) program, whether it changed, and named counts
-    (e.g. ``{"rewritten": 3}``)."""
+    """What a pass returns: the (possibly new) program, whether it changed, named counts (e.g.
+    ``{"rewritten": 3}``) and optional text files for its dump folder."""
 
     program: Any
     modified: bool
     counts: dict[str, int] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)  # written into the pass's dump folder
 
 
 class Pass:

@@ -91,6 +91,7 @@ def _apply(pass_: Any, program: Any, step: StepRecord, done: list[str]) -> Any:
         ) from error
     step.modified = result.modified
     step.counts = dict(result.counts)
+    step.files.update(result.files)
     return result.program
 
 

@@ -50,6 +50,11 @@ def _encode(value: Any) -> Any:
     """Encode a non-tensor attribute as a JSON-compatible, hashable value."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, torch.SymInt) and value.node.hint is not None:
+        # Shape metadata a cache records while tracing (a static layer initialised in the traced
+        # call stores its batch size): the context must be constant, so it keeps the sample's
+        # value; the tensors themselves stay symbolic.
+        return int(value.node.hint)
     if isinstance(value, torch.dtype):
         return {"dtype": str(value).removeprefix("torch.")}
     if isinstance(value, torch.device):

@@ -1,0 +1,59 @@
+"""Cache passes: find and record the in-place writes a static cache makes to its input tensors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from hfexport.pipeline.io_names import program_io_names
+from hfexport.pipeline.pass_manager import PassResult, register_pass
+
+CACHE_MUTATIONS_KEY = "hfexport.cache_mutations"
+
+
+def _mutated_argument(node: torch.fx.Node) -> torch.fx.Node | None:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for argument, value in zip(schema.arguments, node.args, strict=False):
+        if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.fx.Node):
+            return value
+    return None
+
+
+def input_mutations(program: torch.export.ExportedProgram) -> dict[str, list[str]]:
+    """``{user input name: [in-place ops writing it]}`` for an ``ExportedProgram``, from in-place
+    ops in the graph (training IR) and from the signature's input-mutation outputs (after
+    functionalisation)."""
+    names, _ = program_io_names(program)
+    user_placeholders = [
+        spec.arg.name
+        for spec in program.graph_signature.input_specs
+        if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT
+    ]
+    by_placeholder = dict(zip(user_placeholders, names, strict=False))
+    found: dict[str, list[str]] = {}
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = _mutated_argument(node)
+        if target is not None and target.name in by_placeholder:
+            found.setdefault(by_placeholder[target.name], []).append(str(node.target))
+    for spec in program.graph_signature.output_specs:
+        if spec.kind == torch.export.graph_signature.OutputKind.USER_INPUT_MUTATION and spec.target in by_placeholder:
+            found.setdefault(by_placeholder[spec.target], []).append("functional write-back")
+    return found
+
+
+@register_pass(name="mark_cache_mutations")
+def mark_cache_mutations(program: Any) -> PassResult:
+    """Find the user inputs the program writes in place (a static cache's keys, values and
+    counters), record them in ``graph_module.meta["hfexport.cache_mutations"]`` for the lowering
+    stages, and list them in the dump (``cache_mutations.json``)."""
+    mutations = input_mutations(program)
+    program.graph_module.meta[CACHE_MUTATIONS_KEY] = sorted(mutations)
+    result = PassResult(program, modified=False, counts={"mutated_inputs": len(mutations)})
+    result.files["cache_mutations.json"] = json.dumps(mutations, indent=2) + "\n"
+    return result

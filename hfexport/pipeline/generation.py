@@ -1,0 +1,133 @@
+"""decompose_for_generation: split a generative model into the components its generation loop
+runs (prefill, decode, encoders, …) with the real keyword arguments of each.
+
+``model.generate`` runs once (2 new tokens, 3 with multi-token decode) with forward pre-hooks
+that copy every call's kwargs; the copies are what each component is exported with. The caller's
+model, inputs and generation config are not changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from hfexport.errors import HfExportError
+from hfexport.pipeline.capture import copy_inputs, eval_mode, normalize_inputs
+
+logger = logging.getLogger("hfexport")
+
+Components = dict[str, tuple[torch.nn.Module, dict[str, Any]]]
+
+# Call flags that generate passes but forward only receives through **kwargs (or that only shape
+# the eager output): they carry no data, and torch.export cannot take **kwargs inputs together
+# with dynamic shapes.
+_DROPPED_FLAGS = ("return_dict", "logits_to_keep", "output_attentions", "output_hidden_states")
+
+
+@contextmanager
+def _recording(module: torch.nn.Module, calls: list[dict[str, Any]]) -> Iterator[None]:
+    """Append a deep copy of the kwargs of every ``module`` call (copied before the call runs,
+    so the cache is recorded in the state the call received)."""
+
+    def hook(_module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if args:
+            names = list(inspect.signature(_module.forward).parameters)
+            kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
+        calls.append(copy.deepcopy(kwargs))
+
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _forward_parameters(module: torch.nn.Module) -> set[str]:
+    return {
+        name
+        for name, p in inspect.signature(module.forward).parameters.items()
+        if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    }
+
+
+def _clean(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Drop ``None`` values and call flags; keep what ``forward`` takes by name."""
+    named = _forward_parameters(module)
+    return {k: v for k, v in kwargs.items() if v is not None and k not in _DROPPED_FLAGS and k in named}
+
+
+def _with_attention_mask(kwargs: dict[str, Any], key: str = "input_ids") -> dict[str, Any]:
+    """generate drops an all-ones attention mask; put it back so the exported graph's inputs do
+    not depend on whether the sample prompt had padding."""
+    if "attention_mask" in kwargs or key not in kwargs:
+        return kwargs
+    batch, length = kwargs[key].shape[:2]
+    cache = kwargs.get("cache")
+    past = int(cache.get_seq_length()) if cache is not None else 0
+    return {**kwargs, "attention_mask": torch.ones(batch, past + length, dtype=torch.long)}
+
+
+def _cat(first: Any, second: Any, dim: int) -> Any:
+    if isinstance(first, dict):
+        return {k: _cat(first[k], second[k], dim) for k in first}
+    if first is None:
+        return None
+    return torch.cat([first, second], dim=dim)
+
+
+def merge_decode_steps(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """One decode call covering two consecutive steps: tokens and positions concatenated on the
+    query axis, the cache as the first step received it, the mask of the second step (2-D) or
+    both steps' rows (4-D / per-layer-type dict), so the query axis is traced as symbolic."""
+    merged = dict(first)
+    for key in ("input_ids", "position_ids", "cache_position", "decoder_input_ids", "decoder_position_ids"):
+        if key in first:
+            merged[key] = _cat(first[key], second[key], dim=-1)
+    for key in ("attention_mask", "decoder_attention_mask"):
+        mask = first.get(key)
+        if mask is None:
+            continue
+        is_2d = isinstance(mask, torch.Tensor) and mask.dim() == 2
+        merged[key] = second[key] if is_2d else _cat(mask, second[key], dim=-2)
+    return merged
+
+
+def decompose_for_generation(
+    model: torch.nn.Module,
+    inputs: Any,
+    generation_config: Any = None,
+    multi_token_decode: bool = False,
+) -> Components:
+    """``{component: (submodule, forward_kwargs)}`` for ``model``'s generation loop.
+
+    Decoder-only models give ``prefill`` and ``decode``. With ``multi_token_decode=True`` the
+    decode kwargs cover two merged steps, so the exported decode graph keeps its query length
+    symbolic. ``generation_config`` (e.g. ``cache_implementation="static"``) is used as given.
+    """
+    from transformers import GenerationConfig
+
+    inputs = normalize_inputs(inputs, model)
+    config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    new_tokens = 3 if multi_token_decode else 2
+    config.max_new_tokens = config.min_new_tokens = new_tokens
+    config.do_sample = False
+    if config.pad_token_id is None:
+        config.pad_token_id = getattr(model.generation_config, "pad_token_id", None) or 0
+
+    calls: list[dict[str, Any]] = []
+    with eval_mode(model), _recording(model, calls):
+        model.generate(**copy_inputs(inputs), generation_config=config)
+    if len(calls) < new_tokens:
+        raise HfExportError(
+            f"generate made {len(calls)} forward calls, expected {new_tokens}; cannot tell prefill from decode"
+        )
+    prefill = _with_attention_mask(_clean(model, calls[0]))
+    decode = merge_decode_steps(calls[1], calls[2]) if multi_token_decode else calls[1]
+    decode = _with_attention_mask(_clean(model, decode))
+    return {"prefill": (model, prefill), "decode": (model, decode)}
