@@ -15,8 +15,6 @@ from hfexport.errors import HfExportError
 def load_exported_program(path: str | Path) -> torch.export.ExportedProgram:
     """``torch.export.load`` after registering what a transformers program's inputs and outputs
     are made of (``ModelOutput`` classes and the cache classes), so it works in a fresh process."""
-    import transformers.modeling_outputs  # noqa: F401  (registers the ModelOutput pytree nodes)
-
     from hfexport.pipeline.pytree import register_cache_pytrees
 
     register_cache_pytrees()
@@ -169,6 +167,20 @@ def decode_mask(valid: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
     return (causal[None] & valid[:, None, :].bool())[:, None]
 
 
+def mask_like(example: Any, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
+    """The decode mask in the structure the graph was exported with: a 4-D tensor, or a dict of
+    them by layer type (models with several layer types)."""
+    if isinstance(example, dict):
+        unsupported = sorted(set(example) - {"full_attention"})
+        if unsupported:
+            raise HfExportError(
+                f"the decode graph takes attention masks for layer types {unsupported}; this decode loop "
+                "builds full-attention masks only"
+            )
+        return {key: decode_mask(valid, query_slots) for key in example}
+    return decode_mask(valid, query_slots)
+
+
 def greedy_decode(
     step: Any,
     prompt_ids: torch.Tensor,
@@ -179,8 +191,9 @@ def greedy_decode(
     pad_token_id: int = 0,
 ) -> torch.Tensor:
     """Greedy generation with a static-cache decode graph that takes a whole prompt and then
-    one token per call. ``step(input_ids, attention_mask, position_ids) -> logits`` runs the
-    graph and keeps its cache. Returns ``[batch, prompt + new]`` token ids, like
+    one token per call. ``step(input_ids, valid, query_slots, position_ids) -> logits`` runs the
+    graph and keeps its cache; ``valid[b, j]`` says whether cache slot ``j`` holds a real token
+    and ``query_slots`` are the slots the new tokens are written to (see :func:`decode_mask`). Returns ``[batch, prompt + new]`` token ids, like
     ``model.generate(do_sample=False)``: left padding (``prompt_mask``) is honoured and rows that
     produced ``eos_token_id`` are padded with ``pad_token_id``."""
     batch, prompt_len = prompt_ids.shape
@@ -192,7 +205,7 @@ def greedy_decode(
     valid = torch.zeros(batch, max_cache_len, dtype=torch.long)
     valid[:, :prompt_len] = prompt_mask
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = step(prompt_ids, decode_mask(valid, torch.arange(prompt_len)), positions)
+    logits = step(prompt_ids, valid, torch.arange(prompt_len), positions)
     tokens = [prompt_ids]
     finished = torch.zeros(batch, dtype=torch.bool)
     next_position = positions[:, -1:] + 1
@@ -206,7 +219,7 @@ def greedy_decode(
             break
         slot = prompt_len + index
         valid[:, slot] = 1
-        logits = step(next_token, decode_mask(valid, torch.tensor([slot])), next_position)
+        logits = step(next_token, valid, torch.tensor([slot]), next_position)
         next_position = next_position + 1
     return torch.cat(tokens, dim=1)
 
@@ -223,7 +236,9 @@ class DynamoDecoder:
 
         register_cache_pytrees()
         _, example = program.example_inputs
-        self.constants = {k: v for k, v in example.items() if not isinstance(v, torch.Tensor) and k != "cache"}
+        self.example_mask = example["attention_mask"]
+        passed = {"input_ids", "attention_mask", "position_ids", "cache"}
+        self.constants = {k: v for k, v in example.items() if k not in passed}
         self.cache = pytree.tree_map(
             lambda t: torch.zeros((batch_size, *t.shape[1:]), dtype=t.dtype) if t.dim() >= 2 else torch.zeros_like(t),
             example["cache"],
@@ -231,11 +246,13 @@ class DynamoDecoder:
         self.max_cache_len = max(t.shape[2] for t in pytree.tree_leaves(self.cache) if t.dim() == 4)
         self.module = program.module()
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         with torch.no_grad():
             out = self.module(
                 input_ids=input_ids,
-                attention_mask=attention_mask,
+                attention_mask=mask_like(self.example_mask, valid, query_slots),
                 position_ids=position_ids,
                 cache=self.cache,
                 **self.constants,

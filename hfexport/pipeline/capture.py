@@ -184,7 +184,7 @@ def _requested_axes(dynamic_shapes: Any, inputs: dict[str, Any]) -> dict[str, se
     if not isinstance(dynamic_shapes, Mapping):
         return requested
     for name, spec in dynamic_shapes.items():
-        if isinstance(spec, Mapping):
+        if isinstance(spec, Mapping) and all(isinstance(axis, int) for axis in spec):
             items = spec.items()
         elif isinstance(spec, (list, tuple)) and isinstance(inputs.get(name), torch.Tensor):
             items = enumerate(spec)
@@ -200,9 +200,7 @@ def input_axes(program: torch.export.ExportedProgram, inputs: dict[str, Any], dy
     from hfexport.pipeline.io_names import path_name, program_io_names
 
     requested = _requested_axes(dynamic_shapes, inputs)
-    placeholders = [
-        n for n in program.graph.nodes if n.op == "placeholder"
-    ]
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     by_name = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
     user_placeholders = [
         n for n in placeholders if by_name[n.name].kind == torch.export.graph_signature.InputKind.USER_INPUT

@@ -27,7 +27,7 @@ Components = dict[str, tuple[torch.nn.Module, dict[str, Any]]]
 # Call flags that generate passes but forward only receives through **kwargs (or that only shape
 # the eager output): they carry no data, and torch.export cannot take **kwargs inputs together
 # with dynamic shapes.
-_DROPPED_FLAGS = ("return_dict", "logits_to_keep", "output_attentions", "output_hidden_states")
+_DROPPED_FLAGS = ("return_dict", "logits_to_keep", "output_attentions", "output_hidden_states", "use_cache")
 
 
 @contextmanager

@@ -130,15 +130,24 @@ def _unflatten(values: Any, context: str) -> Any:
 
 def register_pytree_node(cls: type) -> type:
     """Register ``cls`` (a cache, a cache layer, or any object holding tensors in attributes) as a
-    pytree node so it can be an input or output of an exported program. Idempotent; returns ``cls``.
+    pytree node so it can be an input or output of an exported program. For a transformers cache
+    class, every cache and cache-layer class is registered (a saved program's spec names its
+    layers too). Idempotent; returns ``cls``.
     """
+    _register(cls)
+    if cls.__module__.startswith("transformers.") and cls.__name__.endswith("Cache"):
+        register_cache_pytrees()
+    return cls
+
+
+def _register(cls: type) -> None:
     already = cls in pytree.SUPPORTED_NODES
     _REGISTERED[_qualified(cls)] = cls
     _REGISTERED_TYPES.add(cls)
     # A saved program pickles its example inputs; let torch.load (weights_only) rebuild them.
     torch.serialization.add_safe_globals([cls])
     if already:
-        return cls
+        return
     pytree.register_pytree_node(
         cls,
         _flatten,
@@ -148,7 +157,6 @@ def register_pytree_node(cls: type) -> type:
         to_dumpable_context=lambda context: context,
         from_dumpable_context=lambda dumped: dumped,
     )
-    return cls
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -164,8 +172,10 @@ def register_cache_pytrees() -> None:
     """Register every transformers cache and cache-layer class currently defined (idempotent).
 
     Called before each capture, so cache classes defined by modeling files imported since the
-    last call are picked up too.
+    last call are picked up too. Also imports ``transformers.modeling_outputs``, whose import
+    registers the ``ModelOutput`` classes, so a saved program loads in a fresh process.
     """
+    import transformers.modeling_outputs  # noqa: F401  (registers the ModelOutput pytree nodes)
     from transformers import cache_utils
 
     roots = [cache_utils.Cache, cache_utils.CacheLayerMixin, cache_utils.DummyLayer]
@@ -175,4 +185,4 @@ def register_cache_pytrees() -> None:
     for root in roots:
         for cls in _subclasses(root):
             if not getattr(cls, "__abstractmethods__", None) and cls not in pytree.SUPPORTED_NODES:
-                register_pytree_node(cls)
+                _register(cls)

@@ -1,0 +1,143 @@
+"""Generation: decompose_for_generation, export_for_generation, and greedy decoding over the
+exported static-cache decode graph, token for token against model.generate."""
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from models import build, sample_inputs
+from transformers import GenerationConfig
+
+from hfexport import DynamoConfig, DynamoExporter, decompose_for_generation
+from hfexport.runtime import DynamoDecoder, greedy_decode
+
+STATIC = GenerationConfig(cache_implementation="static", max_cache_len=32)
+
+
+def reference_tokens(model, prompt, new_tokens=16):
+    with torch.no_grad():
+        return model.generate(**prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+
+def test_decompose_decoder_only_keeps_a_stable_signature():
+    model = build("tiny-llama")
+    prompt = sample_inputs(model, 2, 6)
+    generation_config = GenerationConfig(max_new_tokens=5)
+    before = {k: v.clone() for k, v in prompt.items()}
+    components = decompose_for_generation(model, prompt, generation_config)
+    assert set(components) == {"prefill", "decode"}
+    _, decode = components["decode"]
+    # generate drops an all-ones mask; the decode kwargs carry one anyway
+    assert decode["attention_mask"].shape == (2, 7) and decode["input_ids"].shape == (2, 1)
+    assert decode["cache"].get_seq_length() == 6
+    assert generation_config.max_new_tokens == 5  # the caller's config is untouched
+    assert all(torch.equal(prompt[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
+def test_static_multi_token_decode_generates_the_same_tokens(preset):
+    model = build(preset)
+    prompt = sample_inputs(model, 2, 6)
+    programs = DynamoExporter().export_for_generation(
+        model, prompt, DynamoConfig(dynamic=True), STATIC, multi_token_decode=True
+    )
+    assert set(programs) == {"prefill", "decode"}
+    decoder = DynamoDecoder(programs["decode"], batch_size=2)
+    tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
+    assert torch.equal(tokens, reference_tokens(model, prompt))
+    assert int(decoder.cache.get_seq_length()) == 6 + 15  # the cache was written in place
+
+
+def test_decode_exported_from_unpadded_prompt_runs_a_padded_batch():
+    model = build("tiny-llama")
+    programs = DynamoExporter().export_for_generation(
+        model, sample_inputs(model, 2, 6), DynamoConfig(dynamic=True), STATIC, multi_token_decode=True
+    )
+    prompt = sample_inputs(model, 3, 7, seed=11)
+    prompt["attention_mask"][0, :3] = 0  # left padding
+    prompt["attention_mask"][2, :1] = 0
+    decoder = DynamoDecoder(programs["decode"], batch_size=3)
+    tokens = greedy_decode(decoder, prompt["input_ids"], 8, decoder.max_cache_len, prompt["attention_mask"])
+    assert torch.equal(tokens, reference_tokens(model, prompt, 8))
+
+
+def test_multi_token_decode_accepts_query_lengths_1_2_4():
+    model = build("tiny-llama")
+    prompt = sample_inputs(model, 2, 6)
+    components = decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)
+    module, kwargs = components["decode"]
+    program = DynamoExporter().export(module, kwargs, DynamoConfig(dynamic=True))
+    for query in (1, 2, 4):
+        step = {
+            "input_ids": sample_inputs(model, 2, query, seed=query)["input_ids"],
+            "position_ids": torch.arange(6, 6 + query)[None].expand(2, -1),
+            "attention_mask": (torch.arange(32)[None, :] <= torch.arange(6, 6 + query)[:, None])[None, None].expand(
+                2, 1, -1, -1
+            ),
+        }
+        cache_for_program, cache_for_eager = copy.deepcopy(kwargs["cache"]), copy.deepcopy(kwargs["cache"])
+        with torch.no_grad():
+            got = program.module()(**step, cache=cache_for_program).logits
+            expected = model(**step, cache=cache_for_eager).logits
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        assert int(cache_for_program.get_seq_length()) == int(cache_for_eager.get_seq_length())
+
+
+SPEC_DECODE_LOOP = """
+import copy, sys
+import torch
+from transformers import StaticCache
+from hfexport import register_pytree_node
+
+prompt_ids = torch.tensor([{prompt}])
+prompt_len, max_cache_len, new_tokens = prompt_ids.shape[1], {max_cache_len}, 16
+
+register_pytree_node(StaticCache)
+exported = torch.export.load(sys.argv[1])
+decode = exported.module()
+
+# the artifact carries an initialised StaticCache: reuse it (reset to empty)
+_, example_kwargs = exported.example_inputs
+past_key_values = copy.deepcopy(example_kwargs["cache"])  # transformers 5.24 names it `cache`
+past_key_values.reset()
+
+def causal_mask(positions, cache_len):
+    return (torch.arange(cache_len)[None, :] <= positions[:, None])[None, None]
+
+positions = torch.arange(prompt_len)
+logits = decode(input_ids=prompt_ids, attention_mask=causal_mask(positions, max_cache_len),
+                position_ids=positions[None], cache=past_key_values).logits
+next_token = logits[:, -1:].argmax(-1)
+generated = [next_token]
+
+input_ids = torch.empty((1, 1), dtype=torch.long)
+position_ids = torch.empty((1, 1), dtype=torch.long)
+attention_mask = torch.empty((1, 1, 1, max_cache_len), dtype=torch.bool)
+slots = torch.arange(max_cache_len)
+for position in range(prompt_len, prompt_len + new_tokens - 1):
+    input_ids.copy_(next_token)
+    position_ids.fill_(position)
+    attention_mask[0, 0, 0].copy_(slots <= position)
+    logits = decode(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids, cache=past_key_values).logits
+    next_token = logits[:, -1:].argmax(-1)
+    generated.append(next_token)
+print(torch.cat(generated, 1)[0].tolist())
+"""
+
+
+def test_spec_decode_loop_on_a_saved_program(tmp_path):
+    model = build("tiny-llama")
+    prompt = sample_inputs(model, 1, 6)
+    programs = DynamoExporter().export_for_generation(
+        model, prompt, DynamoConfig(dynamic=True), STATIC, multi_token_decode=True
+    )
+    torch.export.save(programs["decode"], tmp_path / "decode.pt2")
+    code = SPEC_DECODE_LOOP.format(prompt=prompt["input_ids"][0].tolist(), max_cache_len=32)
+    # a fresh process: only what the artifact and register_pytree_node provide
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "decode.pt2")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    generated = eval(result.stdout.strip().splitlines()[-1])
+    assert generated == reference_tokens(model, prompt)[0, 6:].tolist()
