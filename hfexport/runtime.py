@@ -191,11 +191,15 @@ def greedy_decode(
     pad_token_id: int = 0,
 ) -> torch.Tensor:
     """Greedy generation with a static-cache decode graph that takes a whole prompt and then
-    one token per call. ``step(input_ids, valid, query_slots, position_ids) -> logits`` runs the
-    graph and keeps its cache; ``valid[b, j]`` says whether cache slot ``j`` holds a real token
-    and ``query_slots`` are the slots the new tokens are written to (see :func:`decode_mask`). Returns ``[batch, prompt + new]`` token ids, like
-    ``model.generate(do_sample=False)``: left padding (``prompt_mask``) is honoured and rows that
-    produced ``eos_token_id`` are padded with ``pad_token_id``."""
+    one token per call.
+
+    ``step(input_ids, valid, query_slots, position_ids) -> logits`` runs the graph and keeps its
+    cache; ``valid[b, j]`` says whether cache slot ``j`` holds a real token and ``query_slots``
+    are the slots the new tokens are written to (see :func:`decode_mask`). Returns
+    ``[batch, prompt + new]`` token ids, like ``model.generate(do_sample=False)``: left padding
+    (``prompt_mask``) is honoured and rows that produced ``eos_token_id`` are padded with
+    ``pad_token_id``.
+    """
     batch, prompt_len = prompt_ids.shape
     if prompt_len + max_new_tokens > max_cache_len:
         raise HfExportError(
