@@ -55,6 +55,8 @@ class OnnxRunner:
             path_name(path): leaf
             for path, leaf in pytree.tree_flatten_with_path(normalize_inputs(inputs, renames=True))[0]
         }
+        # a cache the program writes in place is fed as input.<name>
+        flat.update({f"input.{name}": value for name, value in list(flat.items())})
         missing = [name for name in self.input_names if name not in flat]
         if missing:
             raise HfExportError(
@@ -262,3 +264,72 @@ class DynamoDecoder:
                 **self.constants,
             )
         return out.logits
+
+
+class OnnxDecoder:
+    """``step`` for :func:`greedy_decode` over an exported static-cache decode ``.onnx``.
+
+    The cache buffers are allocated from the graph's own ``input.<name>`` metadata (the sample's
+    shapes, with the batch axis resized) and each ``input.<name>`` / ``output.<name>`` pair is
+    bound to one buffer with ONNX Runtime's IO binding, so every step reads and writes the cache
+    in place, with no copies between steps.
+    """
+
+    def __init__(self, path: str | Path, batch_size: int) -> None:
+        runner = OnnxRunner(path)
+        self.session = runner.session
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        shapes = json.loads(metadata.get("hfexport.sample_shapes", "{}"))
+        types = {i.name: i.type for i in self.session.get_inputs()}
+        self.cache: dict[str, torch.Tensor] = {}
+        for name in runner.input_names:
+            if name.startswith("input."):
+                path = name[len("input.") :]
+                shape = shapes.get(path, [])  # scalars (token counters) have no axes
+                if shape:
+                    shape = [batch_size, *shape[1:]]
+                self.cache[path] = torch.zeros(shape, dtype=_ORT_TYPES[types[name]])
+        self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
+        self.logits_name = runner.output_names[0]
+        self.mask_names = [n for n in runner.input_names if n == "attention_mask" or n.startswith("attention_mask.")]
+        mask_structure = {n.split(".", 1)[1]: None for n in self.mask_names if "." in n}
+        mask_like(mask_structure or None, torch.zeros(1, 1), torch.zeros(1))  # fails early on unsupported layer types
+        self.binding = self.session.io_binding()
+        for name, buffer in self.cache.items():
+            self._bind(self.binding.bind_input, f"input.{name}", buffer)
+            self._bind(self.binding.bind_output, f"output.{name}", buffer)
+
+    @staticmethod
+    def _bind(bind: Any, name: str, tensor: torch.Tensor) -> None:
+        bind(name, "cpu", 0, _NUMPY_TYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
+
+    def __call__(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        mask = decode_mask(valid, query_slots).contiguous()
+        feed = {"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous()}
+        feed.update({name: mask for name in self.mask_names})
+        for name, tensor in feed.items():
+            self._bind(self.binding.bind_input, name, tensor)
+        self.binding.bind_output(self.logits_name, "cpu")  # allocated by ORT: its shape varies
+        self.session.run_with_iobinding(self.binding)
+        # outputs come in binding order: the cache pairs first, the logits last
+        logits = self.binding.get_outputs()[-1].numpy()
+        return torch.from_numpy(logits.copy())
+
+
+_ORT_TYPES = {
+    "tensor(float)": torch.float32,
+    "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16,
+    "tensor(int64)": torch.int64,
+    "tensor(int32)": torch.int32,
+    "tensor(bool)": torch.bool,
+}
+_NUMPY_TYPES = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.bool: np.bool_,
+}

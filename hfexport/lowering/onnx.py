@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.export.graph_signature import OutputKind, TensorArgument
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind
 from hfexport.pipeline.capture import InputAxis
@@ -62,15 +62,42 @@ def to_onnx(
             output_names=output_names,
             verbose=False,
         )
-    _name_outputs(onnx_program, output_names)
+    _name_cache_io(onnx_program, input_names, output_names)
     user_outputs = [s for s in program.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
-    scalars = [
-        name for name, spec in zip(output_names, user_outputs, strict=True) if not isinstance(spec.arg, TensorArgument)
-    ]
+    scalars = [name for name, spec in zip(output_names, user_outputs, strict=True) if not isinstance(spec.arg, TensorArgument)]
     metadata = onnx_program.model.metadata_props
     metadata["hfexport.scalar_outputs"] = ",".join(scalars)
     metadata["hfexport.input_axes"] = json.dumps([dataclasses.asdict(axis) for axis in input_axes])
+    sample_shapes: dict[str, list[int]] = {}
+    for axis in input_axes:
+        sample_shapes.setdefault(axis.input, []).append(axis.size)
+    metadata["hfexport.sample_shapes"] = json.dumps(sample_shapes)
     return onnx_program
+
+
+def _name_cache_io(onnx_program: torch.onnx.ONNXProgram, input_names: list[str], output_names: list[str]) -> None:
+    """Name the graph's inputs and outputs after their pytree paths; an input the program writes
+    in place (a static cache) becomes ``input.<name>`` and the output carrying its new value
+    ``output.<name>``, so a runtime can bind each pair to one buffer."""
+    exported = onnx_program.exported_program
+    signature = exported.graph_signature
+    user_inputs = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
+    name_of_placeholder = dict(zip(user_inputs, input_names, strict=False))
+    written = {
+        s.arg.name: name_of_placeholder[s.target]
+        for s in signature.output_specs
+        if s.kind == OutputKind.USER_INPUT_MUTATION and s.target in name_of_placeholder
+    }
+    mutated = set(written.values())
+    graph = onnx_program.model.graph
+    for value, name in zip(graph.inputs, input_names, strict=False):
+        value.name = f"input.{name}" if name in mutated else name
+    user_outputs = [s for s in signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
+    names = [
+        f"output.{written[spec.arg.name]}" if getattr(spec.arg, "name", None) in written else name
+        for spec, name in zip(user_outputs, output_names, strict=False)
+    ]
+    _name_outputs(onnx_program, names)
 
 
 def _name_outputs(onnx_program: torch.onnx.ONNXProgram, names: list[str]) -> None:
