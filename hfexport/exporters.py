@@ -195,5 +195,5 @@ class ExecutorchExporter(HfExporter):
         return [
             TransformStage("to_edge", lambda program, run: executorch.to_edge(program, partitioners)),
             TransformStage("delegate", lambda edge, run: executorch.delegate(edge, partitioners, run)),
-            TransformStage("to_executorch", lambda edge, run: executorch.to_executorch(edge, config)),
+            TransformStage("to_executorch", lambda edge, run: executorch.to_executorch(edge, config, run.input_axes)),
         ]

@@ -118,7 +118,8 @@ class ExecutorchRunner:
         meta = self.method.metadata
         self.upper_bounds = [tuple(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
         sidecar = None if isinstance(source, bytes) else Path(f"{source}.json")
-        names = json.loads(sidecar.read_text())["inputs"] if sidecar and sidecar.is_file() else []
+        self.sidecar = json.loads(sidecar.read_text()) if sidecar and sidecar.is_file() else {}
+        names = self.sidecar.get("inputs", [])
         self.input_names = (
             names if len(names) == len(self.upper_bounds) else [f"input {i}" for i in range(len(self.upper_bounds))]
         )
@@ -333,3 +334,52 @@ _NUMPY_TYPES = {
     torch.int32: np.int32,
     torch.bool: np.bool_,
 }
+
+
+class ExecutorchDecoder:
+    """``step`` for :func:`greedy_decode` over an exported static-cache decode ``.pte`` saved by
+    hfexport (its ``.pte.json`` names the inputs and the ``output.<name>`` cache write-backs).
+
+    The Python runtime copies inputs into the method's planned buffers and does not expose
+    binding outputs onto inputs (``Method::set_output_data_ptr`` is C++ only), so each step reads
+    the updated cache back from the write-back outputs.
+    """
+
+    def __init__(self, path: str | Path, batch_size: int) -> None:
+        self.runner = ExecutorchRunner(path)
+        if not self.runner.sidecar:
+            raise HfExportError(f"{path} has no {path}.json next to it; save the program with hfexport")
+        self.outputs = self.runner.sidecar["outputs"]
+        shapes = self.runner.sidecar.get("sample_shapes", {})
+        written = {name[len("output.") :] for name in self.outputs if name.startswith("output.")}
+        self.inputs: dict[str, torch.Tensor | None] = {}
+        for name, bounds in zip(self.runner.input_names, self.runner.upper_bounds, strict=True):
+            if name in written:
+                shape = shapes.get(name, list(bounds))
+                shape = [batch_size, *shape[1:]] if shape else []
+                dtype = torch.int64 if not shape else torch.float32
+                self.inputs[name] = torch.zeros(shape, dtype=dtype)
+            else:
+                self.inputs[name] = None
+        self.cache = {name: tensor for name, tensor in self.inputs.items() if tensor is not None}
+        self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
+        self.logits_index = next(i for i, name in enumerate(self.outputs) if not name.startswith("output."))
+
+    def __call__(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        fed = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": decode_mask(valid, query_slots)}
+        tensors = []
+        for name in self.runner.input_names:
+            if name in self.cache:
+                tensors.append(self.cache[name])
+            elif name in fed or name.startswith("attention_mask"):
+                tensors.append(fed[name if name in fed else "attention_mask"])
+            else:
+                raise HfExportError(f"the decode program takes an input {name!r} this decode loop does not provide")
+        self.runner.check(tensors)
+        outputs = self.runner.method.execute(tensors)
+        for name, value in zip(self.outputs, outputs, strict=True):
+            if name.startswith("output."):
+                self.cache[name[len("output.") :]] = value.clone()
+        return outputs[self.logits_index]

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.export.graph_signature import InputKind, OutputKind
 
 from hfexport.errors import ConfigError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
-from hfexport.pipeline.capture import AxisBound
+from hfexport.pipeline.capture import AxisBound, sample_shapes
 from hfexport.pipeline.io_names import program_io_names
 from hfexport.pipeline.pipeline import CaptureStage, PipelineRun
 from hfexport.versions import require_backend
@@ -130,8 +131,9 @@ def delegation_summary(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
     }
 
 
-def to_executorch(edge: Any, config: Any) -> Any:
-    """Edge → ExecuTorch program, with the config's memory-planning flags."""
+def to_executorch(edge: Any, config: Any, input_axes: list[Any] = ()) -> Any:
+    """Edge → ExecuTorch program, with the config's memory-planning flags. The capture's sample
+    input shapes ride along on the manager (``hfexport_sample_shapes``) for :func:`save_pte`."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
 
@@ -140,7 +142,9 @@ def to_executorch(edge: Any, config: Any) -> Any:
         alloc_graph_output=config.alloc_graph_output,
         alloc_mutable_buffers=config.alloc_mutable_buffers,
     )
-    return edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
+    program = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
+    program.hfexport_sample_shapes = sample_shapes(list(input_axes))
+    return program
 
 
 # --- artifact kinds --------------------------------------------------------------------------------
@@ -154,19 +158,39 @@ def _edge_histogram(edge: Any) -> collections.Counter:
     return graph_histogram(edge.exported_program().graph)
 
 
-def save_pte(program: Any, path: Path) -> None:
-    """Write the ``.pte`` and, next to it, ``<name>.pte.json`` with the input / output names and
-    bounds that :class:`~hfexport.runtime.ExecutorchRunner` uses for readable errors."""
-    program.save(str(path))
+def pte_io_names(program: Any) -> tuple[list[str], list[str]]:
+    """Input and output names of an ExecuTorch program, in its flat order. Outputs that write
+    back an input the program mutates (a static cache) are ``output.<input name>``."""
     exported = program.exported_program()
-    inputs, outputs = program_io_names(exported)
-    Path(f"{path}.json").write_text(json.dumps({"inputs": inputs, "outputs": outputs}, indent=2) + "\n")
+    inputs, user_outputs = program_io_names(exported)
+    signature = exported.graph_signature
+    placeholders = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
+    name_of = dict(zip(placeholders, inputs, strict=False))
+    outputs, user_names = [], iter(user_outputs)
+    for spec in signature.output_specs:
+        if spec.kind == OutputKind.USER_INPUT_MUTATION:
+            outputs.append(f"output.{name_of.get(spec.target, spec.target)}")
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            outputs.append(next(user_names))
+    return inputs, outputs
+
+
+def save_pte(program: Any, path: Path) -> None:
+    """Write the ``.pte`` and, next to it, ``<name>.pte.json`` with the input and output names
+    that :class:`~hfexport.runtime.ExecutorchRunner` uses for readable errors and cache write-back."""
+    program.save(str(path))
+    inputs, outputs = pte_io_names(program)
+    sidecar = {"inputs": inputs, "outputs": outputs, "sample_shapes": getattr(program, "hfexport_sample_shapes", {})}
+    Path(f"{path}.json").write_text(json.dumps(sidecar, indent=2) + "\n")
 
 
 def run_pte(program: Any, inputs: dict[str, Any]) -> list[Any]:
+    """The program's user outputs (not its cache write-backs) on the ExecuTorch runtime."""
     from hfexport.runtime import ExecutorchRunner
 
-    return ExecutorchRunner(program.buffer).run(inputs)
+    _, names = pte_io_names(program)
+    outputs = ExecutorchRunner(program.buffer).run(inputs)
+    return [o for name, o in zip(names, outputs, strict=True) if not name.startswith("output.")]
 
 
 def _snapshot(edge: Any) -> Any:

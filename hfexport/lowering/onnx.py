@@ -20,7 +20,7 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 
 from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind
-from hfexport.pipeline.capture import InputAxis
+from hfexport.pipeline.capture import InputAxis, sample_shapes
 from hfexport.pipeline.io_names import program_io_names
 from hfexport.versions import require_backend
 
@@ -64,14 +64,13 @@ def to_onnx(
         )
     _name_cache_io(onnx_program, input_names, output_names)
     user_outputs = [s for s in program.graph_signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
-    scalars = [name for name, spec in zip(output_names, user_outputs, strict=True) if not isinstance(spec.arg, TensorArgument)]
+    scalars = [
+        name for name, spec in zip(output_names, user_outputs, strict=True) if not isinstance(spec.arg, TensorArgument)
+    ]
     metadata = onnx_program.model.metadata_props
     metadata["hfexport.scalar_outputs"] = ",".join(scalars)
     metadata["hfexport.input_axes"] = json.dumps([dataclasses.asdict(axis) for axis in input_axes])
-    sample_shapes: dict[str, list[int]] = {}
-    for axis in input_axes:
-        sample_shapes.setdefault(axis.input, []).append(axis.size)
-    metadata["hfexport.sample_shapes"] = json.dumps(sample_shapes)
+    metadata["hfexport.sample_shapes"] = json.dumps(sample_shapes(input_axes))
     return onnx_program
 
 

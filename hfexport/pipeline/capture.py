@@ -178,6 +178,14 @@ class InputAxis:
         return f"static {self.size}" + (" (asked dynamic: specialised)" if self.requested_dynamic else "")
 
 
+def sample_shapes(axes: list[InputAxis]) -> dict[str, list[int]]:
+    """``{input name: sample shape}`` from an input-axes table (what runtimes size buffers by)."""
+    shapes: dict[str, list[int]] = {}
+    for axis in axes:
+        shapes.setdefault(axis.input, []).append(axis.size)
+    return shapes
+
+
 def _requested_axes(dynamic_shapes: Any, inputs: dict[str, Any]) -> dict[str, set[int]]:
     """For each top-level input name, the axes the user asked to be dynamic."""
     requested: dict[str, set[int]] = {}
