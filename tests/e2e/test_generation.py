@@ -141,3 +141,70 @@ def test_spec_decode_loop_on_a_saved_program(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     generated = eval(result.stdout.strip().splitlines()[-1])
     assert generated == reference_tokens(model, prompt)[0, 6:].tolist()
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
+def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tmp_path):
+    from hfexport import OnnxConfig, OnnxExporter
+    from hfexport.runtime import OnnxDecoder
+
+    model = build(preset)
+    prompt = sample_inputs(model, 2, 6)
+    programs = OnnxExporter().export_for_generation(
+        model, prompt, OnnxConfig(dynamic=True, verify=True), STATIC, multi_token_decode=True
+    )
+    programs["decode"].save(tmp_path / "decode.onnx")
+    decoder = OnnxDecoder(tmp_path / "decode.onnx", batch_size=2)
+    session_inputs = [i.name for i in decoder.session.get_inputs()]
+    session_outputs = [o.name for o in decoder.session.get_outputs()]
+    assert "input.cache.layers.0.keys" in session_inputs and "output.cache.layers.0.keys" in session_outputs
+    tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
+    assert torch.equal(tokens, reference_tokens(model, prompt))
+    # IO binding wrote the cache in place: the counter in our own buffer advanced
+    assert int(decoder.cache["cache.layers.0.cumulative_length"]) == 6 + 15
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
+def test_executorch_static_decode_generates_the_same_tokens(preset, tmp_path):
+    from hfexport import ExecutorchConfig, ExecutorchExporter
+    from hfexport.lowering.executorch import save_pte
+    from hfexport.runtime import ExecutorchDecoder
+
+    model = build(preset)
+    prompt = sample_inputs(model, 2, 6)
+    config = {"decode": ExecutorchConfig(dynamic=True, verify=True), "prefill": ExecutorchConfig(dynamic=True)}
+    programs = ExecutorchExporter().export_for_generation(model, prompt, config, STATIC, multi_token_decode=True)
+    save_pte(programs["decode"], tmp_path / "decode.pte")
+    decoder = ExecutorchDecoder(tmp_path / "decode.pte", batch_size=2)
+    tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
+    assert torch.equal(tokens, reference_tokens(model, prompt))
+
+
+def test_a_failing_component_is_named(monkeypatch):
+    from hfexport import HfExportError
+
+    model = build("tiny-llama")
+    original = DynamoExporter.export
+
+    def fail_on_decode(self, module, kwargs, config=None):
+        if kwargs["input_ids"].shape[1] == 1:
+            raise RuntimeError("boom")
+        return original(self, module, kwargs, config)
+
+    monkeypatch.setattr(DynamoExporter, "export", fail_on_decode)
+    with pytest.raises(HfExportError, match="component 'decode' failed: RuntimeError: boom"):
+        DynamoExporter().export_for_generation(model, sample_inputs(model, 2, 6), DynamoConfig(dynamic=True))
+
+
+def test_mark_cache_mutations_records_the_static_cache_writes(tmp_path):
+    import json
+
+    model = build("tiny-llama")
+    programs = DynamoExporter().export_for_generation(
+        model, sample_inputs(model, 2, 6), DynamoConfig(dynamic=True, dump_dir=tmp_path), STATIC, multi_token_decode=True
+    )
+    mutations = programs["decode"].graph_module.meta["hfexport.cache_mutations"]
+    assert mutations == sorted(f"cache.layers.{i}.{leaf}" for i in range(2) for leaf in ("keys", "values", "cumulative_length"))
+    dumped = json.loads(next((tmp_path / "decode").rglob("cache_mutations.json")).read_text())
+    assert set(dumped) == set(mutations)
+    assert "mutated_inputs=6" in (tmp_path / "decode" / "report.md").read_text()
