@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from hfexport.errors import HfExportError
 
@@ -33,15 +34,59 @@ def _export(args: argparse.Namespace) -> int:
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model = load_model(args.model)
     inputs = sample_inputs(model, args.batch, args.seq)
-    result = exporter.run(model, inputs, config, instruments=(ProgressInstrument(),))
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.generation:
+        return _export_for_generation(exporter, model, inputs, config, args, out)
+    result = exporter.run(model, inputs, config, instruments=(ProgressInstrument(),))
+
     kind = artifact_kind(result.program)
     path = out / f"model{kind.suffix}"
     kind.save(result.program, path)
     print(stage_table(result.records))
     print(f"\nwrote {path}" + (f"; dumps and report.md in {config.dump_dir}" if config.dump_dir else ""))
+    return 0
+
+
+def _export_for_generation(
+    exporter: Any, model: Any, inputs: dict[str, Any], config: Any, args: argparse.Namespace, out: Path
+) -> int:
+    from transformers import GenerationConfig
+
+    from hfexport.pipeline.artifacts import artifact_kind
+
+    generation_config = GenerationConfig(cache_implementation="static", max_cache_len=args.max_cache_len)
+    programs = exporter.export_for_generation(model, inputs, config, generation_config, multi_token_decode=True)
+    for name, program in programs.items():
+        kind = artifact_kind(program)
+        kind.save(program, out / f"{name}{kind.suffix}")
+        print(f"wrote {out / (name + kind.suffix)}")
+    manifest = {"format": config.export_format, "components": sorted(programs), "max_cache_len": args.max_cache_len}
+    (out / "generation.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from hfexport import runtime
+
+    folder = Path(args.export_dir)
+    manifest_path = folder / "generation.json"
+    if not manifest_path.is_file():
+        raise FileNotFoundError(
+            f"{manifest_path} not found; export with `hfexport export MODEL --generation --out DIR`"
+        )
+    export_format = json.loads(manifest_path.read_text())["format"]
+    if export_format == "dynamo":
+        decoder = runtime.DynamoDecoder(runtime.load_exported_program(folder / "decode.pt2"), batch_size=1)
+    elif export_format == "onnx":
+        decoder = runtime.OnnxDecoder(folder / "decode.onnx", batch_size=1)
+    else:
+        decoder = runtime.ExecutorchDecoder(folder / "decode.pte", batch_size=1)
+    prompt = torch.tensor([[int(token) for token in args.prompt_ids.split(",")]])
+    tokens = runtime.greedy_decode(decoder, prompt, args.max_new_tokens, decoder.max_cache_len)
+    print(",".join(str(t) for t in tokens[0, prompt.shape[1] :].tolist()))
     return 0
 
 
@@ -90,7 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--config", help="a JSON config file (keys of the backend's config); flags override it")
     export.add_argument("--batch", type=int, default=2, help="sample batch size (default 2)")
     export.add_argument("--seq", type=int, default=8, help="sample sequence length (default 8)")
+    export.add_argument("--generation", action="store_true", help="export prefill and a static-cache decode graph")
+    export.add_argument("--max-cache-len", type=int, default=64, help="static cache length with --generation")
     export.set_defaults(run=_export)
+
+    generate = commands.add_parser("generate", help="greedy decoding with an exported decode graph")
+    generate.add_argument("export_dir", help="a folder written by `hfexport export ... --generation`")
+    generate.add_argument("--prompt-ids", required=True, help="comma-separated prompt token ids")
+    generate.add_argument("--max-new-tokens", type=int, default=16)
+    generate.set_defaults(run=_generate)
 
     passes = commands.add_parser("passes", help="list the registered passes")
     passes.set_defaults(run=_passes)

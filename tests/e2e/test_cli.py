@@ -97,3 +97,18 @@ def test_export_executorch(tmp_path):
     assert (out / "model.pte").is_file() and (out / "model.pte.json").is_file()
     assert (dumps / "03_delegate" / "delegation.md").is_file()
     assert "| delegate |" in result.stdout
+
+
+def test_export_for_generation_then_generate(tmp_path):
+    out = tmp_path / "gen"
+    run(
+        "export", "tiny-qwen3", "--format", "dynamo", "--dynamic", "--generation", "--max-cache-len", "32", "--out", out
+    )
+    assert (out / "prefill.pt2").is_file() and (out / "decode.pt2").is_file()
+    result = run("generate", out, "--prompt-ids", "5,9,14,2,77", "--max-new-tokens", "8")
+    model = build("tiny-qwen3")
+    with torch.no_grad():
+        expected = model.generate(
+            torch.tensor([[5, 9, 14, 2, 77]]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )
+    assert result.stdout.strip().splitlines()[-1] == ",".join(map(str, expected[0, 5:].tolist()))

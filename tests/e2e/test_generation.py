@@ -201,10 +201,16 @@ def test_mark_cache_mutations_records_the_static_cache_writes(tmp_path):
 
     model = build("tiny-llama")
     programs = DynamoExporter().export_for_generation(
-        model, sample_inputs(model, 2, 6), DynamoConfig(dynamic=True, dump_dir=tmp_path), STATIC, multi_token_decode=True
+        model,
+        sample_inputs(model, 2, 6),
+        DynamoConfig(dynamic=True, dump_dir=tmp_path),
+        STATIC,
+        multi_token_decode=True,
     )
     mutations = programs["decode"].graph_module.meta["hfexport.cache_mutations"]
-    assert mutations == sorted(f"cache.layers.{i}.{leaf}" for i in range(2) for leaf in ("keys", "values", "cumulative_length"))
+    assert mutations == sorted(
+        f"cache.layers.{i}.{leaf}" for i in range(2) for leaf in ("keys", "values", "cumulative_length")
+    )
     dumped = json.loads(next((tmp_path / "decode").rglob("cache_mutations.json")).read_text())
     assert set(dumped) == set(mutations)
     assert "mutated_inputs=6" in (tmp_path / "decode" / "report.md").read_text()
