@@ -22,3 +22,51 @@ def eager(model: torch.nn.Module, inputs: dict) -> dict:
 def main_output(outputs) -> torch.Tensor:
     """logits for LMs, last_hidden_state for encoders."""
     return outputs["logits"] if "logits" in outputs else outputs["last_hidden_state"]
+
+
+def build_encoder_decoder(kind: str) -> tuple[torch.nn.Module, dict]:
+    """A tiny random Bart / T5 / Whisper and sample generate inputs."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "whisper":
+        config = transformers.WhisperConfig(
+            vocab_size=128,
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            num_mel_bins=16,
+            max_source_positions=32,
+            max_target_positions=64,
+            decoder_start_token_id=1,
+            pad_token_id=0,
+            eos_token_id=2,
+            bos_token_id=1,
+            suppress_tokens=None,
+            begin_suppress_tokens=None,
+        )
+        model = transformers.WhisperForConditionalGeneration(config)
+        inputs = {"input_features": torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(0))}
+    else:
+        config = transformers.BartConfig(
+            vocab_size=128,
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            max_position_embeddings=64,
+        )
+        model = transformers.BartForConditionalGeneration(config)
+        inputs = {
+            "input_ids": torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0)),
+            "attention_mask": torch.ones(2, 7, dtype=torch.long),
+        }
+    config._attn_implementation = "sdpa"
+    return model.eval(), inputs

@@ -77,7 +77,8 @@ def to_onnx(
 def _name_cache_io(onnx_program: torch.onnx.ONNXProgram, input_names: list[str], output_names: list[str]) -> None:
     """Name the graph's inputs and outputs after their pytree paths; an input the program writes
     in place (a static cache) becomes ``input.<name>`` and the output carrying its new value
-    ``output.<name>``, so a runtime can bind each pair to one buffer."""
+    ``output.<name>``, so a runtime can bind each pair to one buffer; any other output named like
+    an input (a dynamic cache returned grown) becomes ``present.<name>``."""
     exported = onnx_program.exported_program
     signature = exported.graph_signature
     user_inputs = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
@@ -96,20 +97,27 @@ def _name_cache_io(onnx_program: torch.onnx.ONNXProgram, input_names: list[str],
         f"output.{written[spec.arg.name]}" if getattr(spec.arg, "name", None) in written else name
         for spec, name in zip(user_outputs, output_names, strict=False)
     ]
+    # a new value of an input that is not written in place (a dynamic cache grown by concat) is
+    # "present.<name>": ONNX names are unique across inputs and outputs
+    taken = {value.name for value in graph.inputs}
+    names = [f"present.{name}" if name in taken else name for name in names]
     _name_outputs(onnx_program, names)
 
 
 def _name_outputs(onnx_program: torch.onnx.ONNXProgram, names: list[str]) -> None:
     """Give every graph output its own value and name. torch.onnx names outputs by renaming their
     values, so one value returned twice (two cache layers' token counters are the same symbol)
-    keeps only the last name; each repeat gets an Identity of its own."""
+    keeps only the last name, and an input returned as an output would be renamed; each such
+    output gets an Identity of its own."""
     import onnx_ir as ir
 
     graph = onnx_program.model.graph
     outputs = list(graph.outputs)
     if len(outputs) != len(names):
         return
-    seen: set[int] = set()
+    # an output that is also a graph input (a model returning an input unchanged) needs its own
+    # value too, or naming it would rename the input
+    seen: set[int] = {id(value) for value in graph.inputs}
     for index, (value, name) in enumerate(zip(outputs, names, strict=True)):
         if id(value) in seen:
             node = ir.Node("", "Identity", inputs=[value], num_outputs=1)

@@ -112,7 +112,7 @@ def auto_dynamic_shapes(inputs: dict[str, Any], axis_bound: AxisBound | None = N
     def axes(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return {axis: hint(axis) for axis in range(value.dim())}
-        if isinstance(value, dict):
+        if type(value) is dict:  # ModelOutput subclasses dict but is a custom node: see below
             return {key: axes(item) for key, item in value.items()}
         if type(value) in (list, tuple):
             return type(value)(axes(item) for item in value)

@@ -12,7 +12,7 @@ import copy
 import inspect
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -106,7 +106,9 @@ def decompose_for_generation(
 ) -> Components:
     """``{component: (submodule, forward_kwargs)}`` for ``model``'s generation loop.
 
-    Decoder-only models give ``prefill`` and ``decode``. With ``multi_token_decode=True`` the
+    Decoder-only models give ``prefill`` and ``decode``; encoder-decoder models (T5, Bart,
+    Whisper) also ``encoder``, recorded by a hook on ``model.get_encoder()`` because generate runs
+    it before the loop. With ``multi_token_decode=True`` the
     decode kwargs cover two merged steps, so the exported decode graph keeps its query length
     symbolic. ``generation_config`` (e.g. ``cache_implementation="static"``) is used as given.
     """
@@ -121,7 +123,13 @@ def decompose_for_generation(
         config.pad_token_id = getattr(model.generation_config, "pad_token_id", None) or 0
 
     calls: list[dict[str, Any]] = []
-    with eval_mode(model), _recording(model, calls):
+    encoder_calls: list[dict[str, Any]] = []
+    # transformers runs an encoder-decoder model's encoder before the generate loop, outside
+    # model.forward: its own hook records it.
+    encoder = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) else None
+    with eval_mode(model), _recording(model, calls), ExitStack() as hooks:
+        if encoder is not None:
+            hooks.enter_context(_recording(encoder, encoder_calls))
         model.generate(**copy_inputs(inputs), generation_config=config)
     if len(calls) < new_tokens:
         raise HfExportError(
@@ -130,4 +138,11 @@ def decompose_for_generation(
     prefill = _with_attention_mask(_clean(model, calls[0]))
     decode = merge_decode_steps(calls[1], calls[2]) if multi_token_decode else calls[1]
     decode = _with_attention_mask(_clean(model, decode))
-    return {"prefill": (model, prefill), "decode": (model, decode)}
+    components: Components = {}
+    if encoder is not None:
+        if not encoder_calls:
+            raise HfExportError(f"generate never called {type(model).__name__}'s encoder; cannot export it")
+        components["encoder"] = (encoder, _clean(encoder, encoder_calls[0]))
+    components["prefill"] = (model, prefill)
+    components["decode"] = (model, decode)
+    return components

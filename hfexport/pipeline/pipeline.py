@@ -170,11 +170,10 @@ def stage_table(records: Sequence[StepRecord]) -> str:
 
 @dataclass
 class PipelineResult:
-    """The outcome of :meth:`Pipeline.run`: the final program, the captured ``ExportedProgram``,
-    one :class:`StepRecord` per stage (passes as its children) and the input-axes table."""
+    """The outcome of :meth:`Pipeline.run`: the final program, one :class:`StepRecord` per stage
+    (passes as its children), the input-axes table and the markdown report."""
 
     program: Any
-    captured: torch.export.ExportedProgram
     records: list[StepRecord]
     input_axes: list[InputAxis]
     report: str
@@ -243,7 +242,7 @@ class Pipeline:
         register_cache_pytrees()  # before anything flattens a model output (eager reference included)
         run = PipelineRun(self, model, normalize_inputs(inputs, model), config, self.instruments)
         error: BaseException | None = None
-        captured = program = None
+        program = None
         try:
             for instrument in self.instruments:
                 instrument.start(run)
@@ -251,8 +250,6 @@ class Pipeline:
                 record = StepRecord(stage.name, "stage", index)
                 run.records.append(record)
                 program = run.step(record, program, lambda p, stage=stage: stage.run(p, run))
-                if captured is None:
-                    captured = program
         except HfExportError as caught:
             error = caught
             raise
@@ -263,4 +260,4 @@ class Pipeline:
         finally:
             for instrument in self.instruments:
                 instrument.finish(run, error)
-        return PipelineResult(program, captured, run.records, run.input_axes, run.report())
+        return PipelineResult(program, run.records, run.input_axes, run.report())
