@@ -234,3 +234,26 @@ def test_encoder_decoder_components_match_eager_on_dynamo_and_onnx(kind):
     ]:
         programs = exporter.export_for_generation(model, inputs, config)
         assert list(programs) == ["encoder", "prefill", "decode"]
+
+
+@pytest.mark.parametrize("kind", ["bart", "whisper"])
+def test_encoder_decoder_components_match_eager_on_executorch(kind):
+    from models import build_encoder_decoder
+
+    from hfexport import ExecutorchConfig, ExecutorchExporter
+
+    model, inputs = build_encoder_decoder(kind)
+    # Whisper's config has no max_position_embeddings: its bound must be given
+    config = ExecutorchConfig(dynamic=True, verify=True, max_seq_len=64)
+    programs = ExecutorchExporter().export_for_generation(model, inputs, config)
+    assert list(programs) == ["encoder", "prefill", "decode"]
+
+
+def test_whisper_on_executorch_without_a_bound_says_what_to_set():
+    from models import build_encoder_decoder
+
+    from hfexport import ExecutorchConfig, ExecutorchExporter, HfExportError
+
+    model, inputs = build_encoder_decoder("whisper")
+    with pytest.raises(HfExportError, match="component 'encoder'.*max_position_embeddings.*max_seq_len"):
+        ExecutorchExporter().export_for_generation(model, inputs, ExecutorchConfig(dynamic=True))
