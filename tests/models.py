@@ -70,3 +70,15 @@ def build_encoder_decoder(kind: str) -> tuple[torch.nn.Module, dict]:
         }
     config._attn_implementation = "sdpa"
     return model.eval(), inputs
+
+
+def build_mamba() -> tuple[torch.nn.Module, dict]:
+    """A tiny random Mamba and a sample prompt."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MambaConfig(
+        vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4
+    )
+    model = transformers.MambaForCausalLM(config).eval()
+    return model, {"input_ids": torch.randint(0, 128, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}

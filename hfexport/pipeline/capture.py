@@ -105,13 +105,14 @@ def auto_dynamic_shapes(inputs: dict[str, Any], axis_bound: AxisBound | None = N
     its children's specs, so those are expanded one level at a time.
     """
 
-    def hint(axis: int) -> Any:
+    def hint(axis: int, size: int) -> Any:
         upper = axis_bound(axis) if axis_bound else None
-        return torch.export.Dim.AUTO if upper is None else torch.export.Dim.AUTO(max=upper)
+        # never below the sample: an axis the model fixes (a channel count) may exceed the bound
+        return torch.export.Dim.AUTO if upper is None else torch.export.Dim.AUTO(max=max(upper, size))
 
     def axes(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return {axis: hint(axis) for axis in range(value.dim())}
+            return {axis: hint(axis, size) for axis, size in enumerate(value.shape)}
         if type(value) is dict:  # ModelOutput subclasses dict but is a custom node: see below
             return {key: axes(item) for key, item in value.items()}
         if type(value) in (list, tuple):

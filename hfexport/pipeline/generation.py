@@ -62,14 +62,13 @@ def _clean(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if v is not None and k not in _DROPPED_FLAGS and k in named}
 
 
-def _with_attention_mask(kwargs: dict[str, Any], key: str = "input_ids") -> dict[str, Any]:
-    """generate drops an all-ones attention mask; put it back so the exported graph's inputs do
-    not depend on whether the sample prompt had padding."""
-    if "attention_mask" in kwargs or key not in kwargs:
+def _with_attention_mask(kwargs: dict[str, Any], past: int) -> dict[str, Any]:
+    """generate drops an all-ones attention mask; put it back (``past`` cached tokens + this
+    call's) so the exported graph's inputs do not depend on whether the sample prompt had
+    padding. Encoder-decoder calls keep the encoder's mask and get none."""
+    if "attention_mask" in kwargs or "input_ids" not in kwargs:
         return kwargs
-    batch, length = kwargs[key].shape[:2]
-    cache = kwargs.get("cache")
-    past = int(cache.get_seq_length()) if cache is not None else 0
+    batch, length = kwargs["input_ids"].shape[:2]
     return {**kwargs, "attention_mask": torch.ones(batch, past + length, dtype=torch.long)}
 
 
@@ -135,9 +134,11 @@ def decompose_for_generation(
         raise HfExportError(
             f"generate made {len(calls)} forward calls, expected {new_tokens}; cannot tell prefill from decode"
         )
-    prefill = _with_attention_mask(_clean(model, calls[0]))
+    prefill = _with_attention_mask(_clean(model, calls[0]), past=0)
     decode = merge_decode_steps(calls[1], calls[2]) if multi_token_decode else calls[1]
-    decode = _with_attention_mask(_clean(model, decode))
+    # the cache can't always tell its length (SSM caches hold states, not tokens): count it
+    prompt_length = prefill["input_ids"].shape[1] if "input_ids" in prefill else 0
+    decode = _with_attention_mask(_clean(model, decode), past=prompt_length)
     components: Components = {}
     if encoder is not None:
         if not encoder_calls:

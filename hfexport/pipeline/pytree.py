@@ -4,8 +4,9 @@
 (``DynamicCache``, ``StaticCache``, ``EncoderDecoderCache``, …) are plain Python objects holding
 layer objects, so we register each cache class and each cache-layer class as a pytree node:
 
-- the children are the attributes holding tensors, layers, nested caches or lists of those
-  (``layers``, ``keys``, ``values``, ``cumulative_length``, ``self_attention_cache``, …);
+- the children are the attributes holding tensors, layers, nested caches, or lists / dicts of
+  those (``layers``, ``keys``, ``values``, ``cumulative_length``, ``self_attention_cache``, an SSM
+  layer's ``conv_states``, …);
 - every other attribute (``max_cache_len``, ``is_initialized``, ``dtype``, …) goes into the context,
   encoded as JSON-compatible values so ``torch.export.save`` / ``load`` round-trip the spec.
 
@@ -43,6 +44,8 @@ def _is_child(value: Any) -> bool:
         return True
     if isinstance(value, (list, tuple)) and value:
         return all(_is_child(v) for v in value)
+    if type(value) is dict and value:  # e.g. an SSM layer's {state index: tensor}
+        return all(_is_child(v) for v in value.values())
     return False
 
 

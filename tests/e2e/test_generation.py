@@ -257,3 +257,24 @@ def test_whisper_on_executorch_without_a_bound_says_what_to_set():
     model, inputs = build_encoder_decoder("whisper")
     with pytest.raises(HfExportError, match="component 'encoder'.*max_position_embeddings.*max_seq_len"):
         ExecutorchExporter().export_for_generation(model, inputs, ExecutorchConfig(dynamic=True))
+
+
+def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache():
+    from models import build_mamba
+
+    from hfexport import ExecutorchConfig, ExecutorchExporter, OnnxConfig, OnnxExporter
+
+    model, inputs = build_mamba()
+    components = decompose_for_generation(model, inputs)
+    assert set(components) == {"prefill", "decode"}
+    decode_cache = components["decode"][1]["cache"]
+    assert decode_cache.layers[0].conv_states  # the recurrent state is the cache
+    for exporter, config in [
+        (DynamoExporter(), DynamoConfig(dynamic=True, verify=True)),
+        (OnnxExporter(), OnnxConfig(dynamic=True, verify=True)),
+        (
+            ExecutorchExporter(),
+            ExecutorchConfig(dynamic=True, verify=True, max_seq_len=64),
+        ),  # no max_position_embeddings
+    ]:
+        assert set(exporter.export_for_generation(model, inputs, config)) == {"prefill", "decode"}
