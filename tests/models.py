@@ -82,3 +82,78 @@ def build_mamba() -> tuple[torch.nn.Module, dict]:
     )
     model = transformers.MambaForCausalLM(config).eval()
     return model, {"input_ids": torch.randint(0, 128, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
+
+
+def build_llava() -> tuple[torch.nn.Module, dict]:
+    """A tiny random LLaVA (CLIP vision tower + Llama) and a one-image prompt."""
+    import transformers
+
+    torch.manual_seed(0)
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14
+    )
+    text = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=100, projector_hidden_act="gelu", vision_feature_layer=-1
+    )
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    ids = torch.cat(
+        [torch.full((1, 4), 100), torch.randint(0, 99, (1, 5), generator=torch.Generator().manual_seed(0))], 1
+    )
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
+
+
+def build_qwen2_vl() -> tuple[torch.nn.Module, dict]:
+    """A tiny random Qwen2-VL and a one-image prompt (a 2x2 patch grid merged into one token)."""
+    import transformers
+
+    torch.manual_seed(0)
+    vision = {
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_chans": 3,
+        "mlp_ratio": 2,
+    }
+    text = {
+        "vocab_size": 160,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    }
+    config = transformers.Qwen2VLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=151,
+        vision_start_token_id=152,
+        vision_end_token_id=153,
+        video_token_id=154,
+    )
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    grid = torch.tensor([[1, 2, 2]])
+    text_ids = torch.randint(0, 150, (1, 5), generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([torch.tensor([[152, 151, 153]]), text_ids], 1)
+    pixels = torch.randn(4, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0))
+    return model, {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": pixels,
+        "image_grid_thw": grid,
+    }

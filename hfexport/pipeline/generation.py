@@ -24,10 +24,15 @@ logger = logging.getLogger("hfexport")
 
 Components = dict[str, tuple[torch.nn.Module, dict[str, Any]]]
 
-# Call flags that generate passes but forward only receives through **kwargs (or that only shape
-# the eager output): they carry no data, and torch.export cannot take **kwargs inputs together
-# with dynamic shapes.
-_DROPPED_FLAGS = ("return_dict", "logits_to_keep", "output_attentions", "output_hidden_states", "use_cache")
+# Flags generate sets that the exported graphs should not depend on: decode graphs return the
+# logits of every query position, and take no use_cache input (it is on by default). Flags that
+# forward only receives through **kwargs (return_dict) are dropped too: they carry no data, and
+# torch.export cannot take **kwargs inputs together with dynamic shapes.
+_DROPPED_FLAGS = ("logits_to_keep", "use_cache")
+
+# Where multimodal models keep the module mapping encoder features into the language model's
+# embedding space, when they have one outside the encoder.
+PROJECTOR_NAMES = ("multi_modal_projector", "connector", "embed_vision", "embed_audio")
 
 
 @contextmanager
@@ -107,7 +112,11 @@ def decompose_for_generation(
 
     Decoder-only models give ``prefill`` and ``decode``; encoder-decoder models (T5, Bart,
     Whisper) also ``encoder``, recorded by a hook on ``model.get_encoder()`` because generate runs
-    it before the loop. With ``multi_token_decode=True`` the
+    it before the loop. Multimodal models (found by ``get_encoder(modality="image"/"audio")``)
+    give ``image_encoder`` / ``audio_encoder``, their projector when the model has one under a
+    name of :data:`PROJECTOR_NAMES`, ``language_model`` (``get_decoder()``), ``lm_head`` and
+    ``decode``: the prefill is those components, each hooked, since generate encodes the media
+    inside the first forward. With ``multi_token_decode=True`` the
     decode kwargs cover two merged steps, so the exported decode graph keeps its query length
     symbolic. ``generation_config`` (e.g. ``cache_implementation="static"``) is used as given.
     """
@@ -122,13 +131,14 @@ def decompose_for_generation(
         config.pad_token_id = getattr(model.generation_config, "pad_token_id", None) or 0
 
     calls: list[dict[str, Any]] = []
-    encoder_calls: list[dict[str, Any]] = []
-    # transformers runs an encoder-decoder model's encoder before the generate loop, outside
-    # model.forward: its own hook records it.
-    encoder = model.get_encoder() if getattr(model.config, "is_encoder_decoder", False) else None
+    # Submodules transformers runs outside the top-level forward (an encoder-decoder's encoder,
+    # before the loop) or inside the prefill (a multimodal model's encoders, projector, language
+    # model and head): each gets its own hook.
+    submodules = _generation_submodules(model)
+    sub_calls: dict[str, list[dict[str, Any]]] = {name: [] for name in submodules}
     with eval_mode(model), _recording(model, calls), ExitStack() as hooks:
-        if encoder is not None:
-            hooks.enter_context(_recording(encoder, encoder_calls))
+        for name, module in submodules.items():
+            hooks.enter_context(_recording(module, sub_calls[name]))
         model.generate(**copy_inputs(inputs), generation_config=config)
     if len(calls) < new_tokens:
         raise HfExportError(
@@ -140,10 +150,45 @@ def decompose_for_generation(
     prompt_length = prefill["input_ids"].shape[1] if "input_ids" in prefill else 0
     decode = _with_attention_mask(_clean(model, decode), past=prompt_length)
     components: Components = {}
-    if encoder is not None:
-        if not encoder_calls:
-            raise HfExportError(f"generate never called {type(model).__name__}'s encoder; cannot export it")
-        components["encoder"] = (encoder, _clean(encoder, encoder_calls[0]))
-    components["prefill"] = (model, prefill)
+    for name, module in submodules.items():
+        if not sub_calls[name]:
+            raise HfExportError(
+                f"generate never called {type(model).__name__}'s {name} ({type(module).__name__}), so its inputs "
+                "are unknown; check that the sample inputs exercise it (e.g. pixel_values for an image encoder)"
+            )
+        components[name] = (module, _clean(module, sub_calls[name][0]))
+    if not any(name in components for name in ("language_model",)):
+        components["prefill"] = (model, prefill)
     components["decode"] = (model, decode)
     return components
+
+
+def _generation_submodules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The submodules to export besides the top-level model, by component name."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return {"encoder": model.get_encoder()}
+    found: dict[str, torch.nn.Module] = {}
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    for modality in ("image", "audio"):
+        try:
+            encoder = model.get_encoder(modality=modality)
+        except (TypeError, ValueError, AttributeError, NotImplementedError):
+            continue
+        if isinstance(encoder, torch.nn.Module) and encoder is not decoder and encoder is not model:
+            found[f"{modality}_encoder"] = encoder
+    if not found:
+        return {}
+    for name in PROJECTOR_NAMES:
+        projector = _find_attribute(model, name)
+        if isinstance(projector, torch.nn.Module):
+            found[name] = projector
+    found["language_model"] = decoder
+    found["lm_head"] = model.get_output_embeddings()
+    return found
+
+
+def _find_attribute(model: torch.nn.Module, name: str) -> Any:
+    for module in (model, getattr(model, "model", None)):
+        if module is not None and hasattr(module, name):
+            return getattr(module, name)
+    return None

@@ -278,3 +278,32 @@ def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache():
         ),  # no max_position_embeddings
     ]:
         assert set(exporter.export_for_generation(model, inputs, config)) == {"prefill", "decode"}
+
+
+def test_llava_components_include_the_image_encoder_and_projector():
+    from models import build_llava
+
+    from hfexport import OnnxConfig, OnnxExporter
+
+    model, inputs = build_llava()
+    components = decompose_for_generation(model, inputs)
+    assert list(components) == ["image_encoder", "multi_modal_projector", "language_model", "lm_head", "decode"]
+    assert components["image_encoder"][0] is model.get_encoder(modality="image")
+    assert components["multi_modal_projector"][0] is model.model.multi_modal_projector
+    assert components["image_encoder"][1]["pixel_values"].shape == (1, 3, 28, 28)
+    for exporter, config in [
+        (DynamoExporter(), DynamoConfig(dynamic=True, verify=True)),
+        (OnnxExporter(), OnnxConfig(dynamic=True, verify=True)),
+    ]:
+        programs = exporter.export_for_generation(model, inputs, config)
+        assert list(programs) == list(components)
+
+
+def test_qwen2_vl_components_have_an_image_encoder_and_no_separate_projector():
+    from models import build_qwen2_vl
+
+    model, inputs = build_qwen2_vl()
+    components = decompose_for_generation(model, inputs)
+    assert list(components) == ["image_encoder", "language_model", "lm_head", "decode"]
+    assert set(components["image_encoder"][1]) == {"hidden_states", "grid_thw"}
+    assert components["language_model"][1]["inputs_embeds"].shape[1] == inputs["input_ids"].shape[1]
