@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind, TensorArgument
 
 from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind
 from hfexport.pipeline.capture import InputAxis, sample_shapes
@@ -51,6 +51,9 @@ def to_onnx(
     """
     require_backend("onnx", ONNX_MODULES)
     input_names, output_names = program_io_names(program)
+    # constants (flags like return_dict) are user inputs of the program but not ONNX inputs
+    user_inputs = [s for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    input_names = [n for n, s in zip(input_names, user_inputs, strict=True) if not isinstance(s.arg, ConstantArgument)]
     with _quiet_torch_onnx():
         onnx_program = torch.onnx.export(
             program,
@@ -81,7 +84,11 @@ def _name_cache_io(onnx_program: torch.onnx.ONNXProgram, input_names: list[str],
     an input (a dynamic cache returned grown) becomes ``present.<name>``."""
     exported = onnx_program.exported_program
     signature = exported.graph_signature
-    user_inputs = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
+    user_inputs = [
+        s.arg.name
+        for s in signature.input_specs
+        if s.kind == InputKind.USER_INPUT and not isinstance(s.arg, ConstantArgument)
+    ]
     name_of_placeholder = dict(zip(user_inputs, input_names, strict=False))
     written = {
         s.arg.name: name_of_placeholder[s.target]

@@ -25,10 +25,10 @@ logger = logging.getLogger("hfexport")
 Components = dict[str, tuple[torch.nn.Module, dict[str, Any]]]
 
 # Flags generate sets that the exported graphs should not depend on: decode graphs return the
-# logits of every query position, and take no use_cache input (it is on by default). Flags that
-# forward only receives through **kwargs (return_dict) are dropped too: they carry no data, and
-# torch.export cannot take **kwargs inputs together with dynamic shapes.
-_DROPPED_FLAGS = ("logits_to_keep", "use_cache")
+# logits of every query position and take no use_cache / return_dict inputs (both on by default).
+# Anything forward only receives through **kwargs is dropped too (see _clean): torch.export
+# cannot take **kwargs inputs together with dynamic shapes.
+_DROPPED_FLAGS = ("logits_to_keep", "use_cache", "return_dict")
 
 # Where multimodal models keep the module mapping encoder features into the language model's
 # embedding space, when they have one outside the encoder.

@@ -145,3 +145,18 @@ def test_cache_outputs_have_path_names(tmp_path):
     assert "cache.layers.1.keys" in runner.output_names
     assert "cache.layers.0.cumulative_length" in runner.scalar_outputs
     assert not any(name.startswith("output_") for name in runner.output_names)
+
+
+def test_constant_inputs_do_not_shift_the_input_names(tmp_path):
+    model = build("tiny-gpt2")
+    # use_cache is a named flag of GPT-2's forward placed between tensor inputs: a constant of
+    # the program, not an ONNX input
+    inputs = {"input_ids": sample_inputs(model)["input_ids"], "use_cache": False,
+              "attention_mask": sample_inputs(model)["attention_mask"]}
+    OnnxExporter().export(model, inputs, OnnxConfig(dynamic=True)).save(tmp_path / "m.onnx")
+    runner = OnnxRunner(tmp_path / "m.onnx")
+    assert sorted(runner.input_names) == ["attention_mask", "input_ids"]
+    assert runner.output_names == ["logits"]
+    sample = {**sample_inputs(model, 3, 9), "use_cache": False}
+    got = torch.from_numpy(runner.run_dict(sample)["logits"])
+    torch.testing.assert_close(got, eager(model, sample).logits, atol=1e-4, rtol=0)
