@@ -151,8 +151,11 @@ def test_constant_inputs_do_not_shift_the_input_names(tmp_path):
     model = build("tiny-gpt2")
     # use_cache is a named flag of GPT-2's forward placed between tensor inputs: a constant of
     # the program, not an ONNX input
-    inputs = {"input_ids": sample_inputs(model)["input_ids"], "use_cache": False,
-              "attention_mask": sample_inputs(model)["attention_mask"]}
+    inputs = {
+        "input_ids": sample_inputs(model)["input_ids"],
+        "use_cache": False,
+        "attention_mask": sample_inputs(model)["attention_mask"],
+    }
     OnnxExporter().export(model, inputs, OnnxConfig(dynamic=True)).save(tmp_path / "m.onnx")
     runner = OnnxRunner(tmp_path / "m.onnx")
     assert sorted(runner.input_names) == ["attention_mask", "input_ids"]
