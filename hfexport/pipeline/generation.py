@@ -116,9 +116,11 @@ def decompose_for_generation(
     give ``image_encoder`` / ``audio_encoder``, their projector when the model has one under a
     name of :data:`PROJECTOR_NAMES`, ``language_model`` (``get_decoder()``), ``lm_head`` and
     ``decode``: the prefill is those components, each hooked, since generate encodes the media
-    inside the first forward. With ``multi_token_decode=True`` the
-    decode kwargs cover two merged steps, so the exported decode graph keeps its query length
-    symbolic. ``generation_config`` (e.g. ``cache_implementation="static"``) is used as given.
+    inside the first forward.
+
+    With ``multi_token_decode=True`` the decode kwargs cover two merged steps, so the exported
+    decode graph keeps its query length symbolic. ``generation_config`` (e.g.
+    ``cache_implementation="static"``) is used as given; the caller's copy is not changed.
     """
     from transformers import GenerationConfig
 
@@ -157,7 +159,7 @@ def decompose_for_generation(
                 "are unknown; check that the sample inputs exercise it (e.g. pixel_values for an image encoder)"
             )
         components[name] = (module, _clean(module, sub_calls[name][0]))
-    if not any(name in components for name in ("language_model",)):
+    if "language_model" not in components:  # multimodal prefill = the hooked components
         components["prefill"] = (model, prefill)
     components["decode"] = (model, decode)
     return components
