@@ -161,9 +161,10 @@ class OnnxExporter(HfExporter):
 
     def lowering_stages(self, config: OnnxConfig) -> list[Stage | str]:
         from hfexport.lowering.onnx import to_onnx
+        from hfexport.pipeline.windowed_cache import attention_windows
 
         def lower(program: torch.export.ExportedProgram, run: PipelineRun) -> Any:
-            return to_onnx(program, config.opset_version, run.input_axes)
+            return to_onnx(program, config.opset_version, run.input_axes, attention_windows(run.inputs))
 
         return [TransformStage("to_onnx", lower), "onnx_passes"]
 
@@ -190,10 +191,14 @@ class ExecutorchExporter(HfExporter):
 
     def lowering_stages(self, config: ExecutorchConfig) -> list[Stage | str]:
         from hfexport.lowering import executorch
+        from hfexport.pipeline.windowed_cache import attention_windows
+
+        def to_executorch(edge: Any, run: PipelineRun) -> Any:
+            return executorch.to_executorch(edge, config, run.input_axes, attention_windows(run.inputs))
 
         partitioners = executorch.partitioners(config.backend)
         return [
             TransformStage("to_edge", lambda program, run: executorch.to_edge(program, partitioners)),
             TransformStage("delegate", lambda edge, run: executorch.delegate(edge, partitioners, run)),
-            TransformStage("to_executorch", lambda edge, run: executorch.to_executorch(edge, config, run.input_axes)),
+            TransformStage("to_executorch", to_executorch),
         ]

@@ -161,27 +161,38 @@ class ExecutorchRunner:
 # --- greedy decoding over an exported static-cache decode graph ------------------------------
 
 
-def decode_mask(valid: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
+def decode_mask(valid: torch.Tensor, query_slots: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """The 4-D boolean mask ``[batch, 1, queries, cache_len]`` of a static-cache decode step:
     query at cache slot ``s`` sees slot ``j`` when ``j <= s`` and ``valid[b, j]`` (written and not
-    padding)."""
+    padding), and, for a sliding-window layer type, ``s - j < window``."""
     cache_len = valid.shape[-1]
-    causal = torch.arange(cache_len)[None, :] <= query_slots[:, None]
-    return (causal[None] & valid[:, None, :].bool())[:, None]
+    slots = torch.arange(cache_len)[None, :]
+    visible = slots <= query_slots[:, None]
+    if window is not None:
+        visible &= slots > query_slots[:, None] - window
+    return (visible[None] & valid[:, None, :].bool())[:, None]
 
 
-def mask_like(example: Any, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
-    """The decode mask in the structure the graph was exported with: a 4-D tensor, or a dict of
-    them by layer type (models with several layer types)."""
-    if isinstance(example, dict):
-        unsupported = sorted(set(example) - {"full_attention"})
-        if unsupported:
-            raise HfExportError(
-                f"the decode graph takes attention masks for layer types {unsupported}; this decode loop "
-                "builds full-attention masks only"
-            )
-        return {key: decode_mask(valid, query_slots) for key in example}
-    return decode_mask(valid, query_slots)
+def decode_masks(
+    mask_keys: list[str] | None, windows: dict[str, int], valid: torch.Tensor, query_slots: torch.Tensor
+) -> Any:
+    """The decode masks in the structure the graph was exported with: one 4-D tensor
+    (``mask_keys`` None), or ``{layer type: mask}`` for models with several layer types, each
+    layer type in ``windows`` limited to its sliding window."""
+    if mask_keys is None:
+        return decode_mask(valid, query_slots)
+    return {key: decode_mask(valid, query_slots, windows.get(key)) for key in mask_keys}
+
+
+def check_mask_keys(mask_keys: list[str] | None, windows: dict[str, int]) -> None:
+    """Fail early if the graph takes a mask for a layer type this decode loop cannot build."""
+    unsupported = sorted(set(mask_keys or ()) - {"full_attention"} - set(windows))
+    if unsupported:
+        raise HfExportError(
+            f"the decode graph takes attention masks for layer types {unsupported}; the decode loops build "
+            "full-attention masks and sliding-window masks of windowed static layers only (export with "
+            "hfexport's export_for_generation and a static cache)"
+        )
 
 
 def greedy_decode(
@@ -231,6 +242,19 @@ def greedy_decode(
     return torch.cat(tokens, dim=1)
 
 
+def _mask_keys(input_names: list[str]) -> list[str] | None:
+    """The layer types of a graph's ``attention_mask.<layer type>`` inputs (None: one mask)."""
+    keys = [name.split(".", 1)[1] for name in input_names if name.startswith("attention_mask.")]
+    return keys or None
+
+
+def _mask_inputs(masks: Any) -> dict[str, torch.Tensor]:
+    """Masks by input name: ``attention_mask``, or ``attention_mask.<layer type>``."""
+    if isinstance(masks, dict):
+        return {f"attention_mask.{key}": mask.contiguous() for key, mask in masks.items()}
+    return {"attention_mask": masks.contiguous()}
+
+
 class DynamoDecoder:
     """``step`` for :func:`greedy_decode` over an exported decode ``ExportedProgram``: the static
     cache is a copy of the one in the program's example inputs, reset, resized to the batch, and
@@ -240,10 +264,14 @@ class DynamoDecoder:
         import torch.utils._pytree as pytree
 
         from hfexport.pipeline.pytree import register_cache_pytrees
+        from hfexport.pipeline.windowed_cache import attention_windows
 
         register_cache_pytrees()
         _, example = program.example_inputs
-        self.example_mask = example["attention_mask"]
+        mask = example["attention_mask"]
+        self.mask_keys = list(mask) if isinstance(mask, dict) else None
+        self.windows = attention_windows(example)
+        check_mask_keys(self.mask_keys, self.windows)
         passed = {"input_ids", "attention_mask", "position_ids", "cache"}
         self.constants = {k: v for k, v in example.items() if k not in passed}
         self.cache = pytree.tree_map(
@@ -259,7 +287,7 @@ class DynamoDecoder:
         with torch.no_grad():
             out = self.module(
                 input_ids=input_ids,
-                attention_mask=mask_like(self.example_mask, valid, query_slots),
+                attention_mask=decode_masks(self.mask_keys, self.windows, valid, query_slots),
                 position_ids=position_ids,
                 cache=self.cache,
                 **self.constants,
@@ -292,9 +320,9 @@ class OnnxDecoder:
                 self.cache[path] = torch.zeros(shape, dtype=_ORT_TYPES[types[name]])
         self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
         self.logits_name = runner.output_names[0]
-        self.mask_names = [n for n in runner.input_names if n == "attention_mask" or n.startswith("attention_mask.")]
-        mask_structure = {n.split(".", 1)[1]: None for n in self.mask_names if "." in n}
-        mask_like(mask_structure or None, torch.zeros(1, 1), torch.zeros(1))  # fails early on unsupported layer types
+        self.mask_keys = _mask_keys(runner.input_names)
+        self.windows = json.loads(metadata.get("hfexport.attention_windows", "{}"))
+        check_mask_keys(self.mask_keys, self.windows)
         self.binding = self.session.io_binding()
         for name, buffer in self.cache.items():
             self._bind(self.binding.bind_input, f"input.{name}", buffer)
@@ -307,9 +335,8 @@ class OnnxDecoder:
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        mask = decode_mask(valid, query_slots).contiguous()
         feed = {"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous()}
-        feed.update({name: mask for name in self.mask_names})
+        feed.update(_mask_inputs(decode_masks(self.mask_keys, self.windows, valid, query_slots)))
         for name, tensor in feed.items():
             self._bind(self.binding.bind_input, name, tensor)
         self.binding.bind_output(self.logits_name, "cpu")  # allocated by ORT: its shape varies
@@ -364,17 +391,21 @@ class ExecutorchDecoder:
         self.cache = {name: tensor for name, tensor in self.inputs.items() if tensor is not None}
         self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
         self.logits_index = next(i for i, name in enumerate(self.outputs) if not name.startswith("output."))
+        self.mask_keys = _mask_keys(self.runner.input_names)
+        self.windows = self.runner.sidecar.get("attention_windows", {})
+        check_mask_keys(self.mask_keys, self.windows)
 
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        fed = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": decode_mask(valid, query_slots)}
+        fed = {"input_ids": input_ids, "position_ids": position_ids}
+        fed.update(_mask_inputs(decode_masks(self.mask_keys, self.windows, valid, query_slots)))
         tensors = []
         for name in self.runner.input_names:
             if name in self.cache:
                 tensors.append(self.cache[name])
-            elif name in fed or name.startswith("attention_mask"):
-                tensors.append(fed[name if name in fed else "attention_mask"])
+            elif name in fed:
+                tensors.append(fed[name])
             else:
                 raise HfExportError(f"the decode program takes an input {name!r} this decode loop does not provide")
         self.runner.check(tensors)

@@ -131,9 +131,12 @@ def delegation_summary(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
     }
 
 
-def to_executorch(edge: Any, config: Any, input_axes: list[Any] = ()) -> Any:
+def to_executorch(
+    edge: Any, config: Any, input_axes: list[Any] = (), attention_windows: dict[str, int] | None = None
+) -> Any:
     """Edge → ExecuTorch program, with the config's memory-planning flags. The capture's sample
-    input shapes ride along on the manager (``hfexport_sample_shapes``) for :func:`save_pte`."""
+    input shapes and the windows of windowed static-cache layers ride along on the manager
+    (``hfexport_sample_shapes``, ``hfexport_attention_windows``) for :func:`save_pte`."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
 
@@ -144,6 +147,7 @@ def to_executorch(edge: Any, config: Any, input_axes: list[Any] = ()) -> Any:
     )
     program = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
     program.hfexport_sample_shapes = sample_shapes(list(input_axes))
+    program.hfexport_attention_windows = attention_windows or {}
     return program
 
 
@@ -180,7 +184,12 @@ def save_pte(program: Any, path: Path) -> None:
     that :class:`~hfexport.runtime.ExecutorchRunner` uses for readable errors and cache write-back."""
     program.save(str(path))
     inputs, outputs = pte_io_names(program)
-    sidecar = {"inputs": inputs, "outputs": outputs, "sample_shapes": getattr(program, "hfexport_sample_shapes", {})}
+    sidecar = {
+        "inputs": inputs,
+        "outputs": outputs,
+        "sample_shapes": getattr(program, "hfexport_sample_shapes", {}),
+        "attention_windows": getattr(program, "hfexport_attention_windows", {}),
+    }
     Path(f"{path}.json").write_text(json.dumps(sidecar, indent=2) + "\n")
 
 

@@ -40,14 +40,19 @@ def _quiet_torch_onnx() -> Iterator[None]:
 
 
 def to_onnx(
-    program: torch.export.ExportedProgram, opset_version: int | None = None, input_axes: list[InputAxis] = ()
+    program: torch.export.ExportedProgram,
+    opset_version: int | None = None,
+    input_axes: list[InputAxis] = (),
+    attention_windows: dict[str, int] | None = None,
 ) -> torch.onnx.ONNXProgram:
     """Translate an ``ExportedProgram`` to ONNX with torch.onnx (translation only: the optimizer
     runs as the ``onnx_optimizer`` pass).
 
     The model's metadata records the capture's input-axis bounds (``hfexport.input_axes``, read
     by :class:`~hfexport.runtime.OnnxRunner` to reject out-of-range inputs by name) and which
-    outputs are symbolic integers rather than tensors (``hfexport.scalar_outputs``).
+    outputs are symbolic integers rather than tensors (``hfexport.scalar_outputs``), and the
+    sliding windows of windowed static-cache layers (``hfexport.attention_windows``, read by
+    :class:`~hfexport.runtime.OnnxDecoder` to build each layer type's mask).
     """
     require_backend("onnx", ONNX_MODULES)
     input_names, output_names = program_io_names(program)
@@ -74,6 +79,7 @@ def to_onnx(
     metadata["hfexport.scalar_outputs"] = ",".join(scalars)
     metadata["hfexport.input_axes"] = json.dumps([dataclasses.asdict(axis) for axis in input_axes])
     metadata["hfexport.sample_shapes"] = json.dumps(sample_shapes(input_axes))
+    metadata["hfexport.attention_windows"] = json.dumps(attention_windows or {})
     return onnx_program
 
 

@@ -118,11 +118,17 @@ def decompose_for_generation(
     ``decode``: the prefill is those components, each hooked, since generate encodes the media
     inside the first forward.
 
+    A static cache's sliding-window layers are recorded as full-length
+    :class:`~hfexport.pipeline.windowed_cache.WindowedStaticLayer` s, so one decode graph stays
+    correct before and after the window fills.
+
     With ``multi_token_decode=True`` the decode kwargs cover two merged steps, so the exported
     decode graph keeps its query length symbolic. ``generation_config`` (e.g.
     ``cache_implementation="static"``) is used as given; the caller's copy is not changed.
     """
     from transformers import GenerationConfig
+
+    from hfexport.pipeline.windowed_cache import full_length_sliding_layers
 
     inputs = normalize_inputs(inputs, model)
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
@@ -138,7 +144,7 @@ def decompose_for_generation(
     # model and head): each gets its own hook.
     submodules = _generation_submodules(model)
     sub_calls: dict[str, list[dict[str, Any]]] = {name: [] for name in submodules}
-    with eval_mode(model), _recording(model, calls), ExitStack() as hooks:
+    with eval_mode(model), full_length_sliding_layers(), _recording(model, calls), ExitStack() as hooks:
         for name, module in submodules.items():
             hooks.enter_context(_recording(module, sub_calls[name]))
         model.generate(**copy_inputs(inputs), generation_config=config)

@@ -14,6 +14,8 @@ from hfexport import DynamoConfig, DynamoExporter, decompose_for_generation
 from hfexport.runtime import DynamoDecoder, greedy_decode
 
 STATIC = GenerationConfig(cache_implementation="static", max_cache_len=32)
+# tiny-gemma3 alternates sliding-window (window 4) and full attention: 6 + 16 tokens go well past the window
+DECODER_ONLY = ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-gemma3"]
 
 
 def reference_tokens(model, prompt, new_tokens=16):
@@ -36,7 +38,7 @@ def test_decompose_decoder_only_keeps_a_stable_signature():
     assert all(torch.equal(prompt[k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", DECODER_ONLY[:3])  # tiny-gemma3: test_sliding_window_decode_...
 def test_static_multi_token_decode_generates_the_same_tokens(preset):
     model = build(preset)
     prompt = sample_inputs(model, 2, 6)
@@ -48,6 +50,31 @@ def test_static_multi_token_decode_generates_the_same_tokens(preset):
     tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
     assert torch.equal(tokens, reference_tokens(model, prompt))
     assert int(decoder.cache.get_seq_length()) == 6 + 15  # the cache was written in place
+
+
+def test_sliding_window_decode_applies_the_window_past_it():
+    from transformers import cache_utils
+
+    from hfexport.pipeline.windowed_cache import WindowedStaticLayer
+
+    model = build("tiny-gemma3")
+    prompt = sample_inputs(model, 2, 6)
+    programs = DynamoExporter().export_for_generation(
+        model, prompt, DynamoConfig(dynamic=True), STATIC, multi_token_decode=True
+    )
+    assert cache_utils.STATIC_LAYER_TYPE_MAPPING["sliding_attention"] is cache_utils.StaticSlidingWindowLayer
+    decoder = DynamoDecoder(programs["decode"], batch_size=2)
+    layers = decoder.cache.layers
+    assert [type(layer) for layer in layers] == [WindowedStaticLayer, cache_utils.StaticLayer]
+    assert layers[0].keys.shape[2] == 32  # full length: the mask applies the window
+    assert decoder.windows == {"sliding_attention": 4}
+    expected = reference_tokens(model, prompt)
+    assert torch.equal(greedy_decode(decoder, prompt["input_ids"], 16, 32, prompt["attention_mask"]), expected)
+    # the same graph with full-attention masks on the sliding layers generates other tokens
+    unwindowed = DynamoDecoder(programs["decode"], batch_size=2)
+    unwindowed.windows = {}
+    tokens = greedy_decode(unwindowed, prompt["input_ids"], 16, 32, prompt["attention_mask"])
+    assert not torch.equal(tokens, expected)
 
 
 def test_decode_exported_from_unpadded_prompt_runs_a_padded_batch():
@@ -143,7 +170,7 @@ def test_spec_decode_loop_on_a_saved_program(tmp_path):
     assert generated == reference_tokens(model, prompt)[0, 6:].tolist()
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", DECODER_ONLY)
 def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tmp_path):
     from hfexport import OnnxConfig, OnnxExporter
     from hfexport.runtime import OnnxDecoder
@@ -164,7 +191,7 @@ def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tm
     assert int(decoder.cache["cache.layers.0.cumulative_length"]) == 6 + 15
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", DECODER_ONLY)
 def test_executorch_static_decode_generates_the_same_tokens(preset, tmp_path):
     from hfexport import ExecutorchConfig, ExecutorchExporter
     from hfexport.lowering.executorch import save_pte

@@ -1,0 +1,67 @@
+"""A static-cache layer for sliding-window attention that one exported decode graph can serve.
+
+transformers' ``StaticSlidingWindowLayer`` keeps only ``sliding_window`` slots and picks its update
+path with a Python int (is the window full yet?), so a graph traced with the window not yet full
+is silently wrong once it is, and vice versa. :class:`WindowedStaticLayer` instead keeps the full
+``max_cache_len`` slots, written at the token's cache position like a full-attention layer; the
+window is applied by the layer type's attention mask alone (``sliding_attention`` rows see the
+last ``sliding_window`` slots), which the model builds from the cache positions at prefill and
+:mod:`hfexport.runtime` builds in its decode loops. The cost: a sliding layer holds
+``max_cache_len`` tokens instead of ``sliding_window``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from transformers import cache_utils
+
+# Layer types whose static layer is a window over the sequence (cache_utils.get_layer_types_and_kwargs
+# gives each a ``sliding_window``); chunked attention needs chunk masks and is not covered.
+SLIDING_LAYER_TYPES = ("sliding_attention", "hybrid_sliding")
+
+
+class WindowedStaticLayer(cache_utils.StaticLayer):
+    """A full-length static layer of a sliding-window attention layer: its mask, not its size,
+    limits attention to the last ``sliding_window`` positions."""
+
+    is_sliding = True
+
+    def __init__(self, max_cache_len: int, sliding_window: int, **kwargs: Any) -> None:
+        super().__init__(max_cache_len=max_cache_len)
+        self.sliding_window = sliding_window
+
+
+@contextmanager
+def full_length_sliding_layers() -> Iterator[None]:
+    """While active, ``StaticCache`` builds :class:`WindowedStaticLayer` for sliding-window layers."""
+    mapping = cache_utils.STATIC_LAYER_TYPE_MAPPING
+    saved = {name: mapping[name] for name in SLIDING_LAYER_TYPES if name in mapping}
+    mapping.update(dict.fromkeys(saved, WindowedStaticLayer))
+    try:
+        yield
+    finally:
+        mapping.update(saved)
+
+
+def attention_windows(inputs: Any) -> dict[str, int]:
+    """``{mask key: window}`` for the windowed layers of the caches in ``inputs`` (a dict of
+    keyword inputs): what a decode loop needs to build each layer type's mask."""
+    windows: dict[str, int] = {}
+    values = inputs.values() if isinstance(inputs, dict) else ()
+    for value in values:
+        for cache in (value, getattr(value, "self_attention_cache", None)):
+            for layer in getattr(cache, "layers", ()):
+                if isinstance(layer, WindowedStaticLayer):
+                    windows["sliding_attention"] = int(layer.sliding_window)
+    return windows
+
+
+def window_mask(mask: torch.Tensor, query_slots: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` (``[batch, 1, queries, cache_len]``) restricted to the ``window`` slots ending at
+    each query's slot."""
+    slots = torch.arange(mask.shape[-1])
+    return mask & (slots[None, :] > query_slots[:, None] - window)[None, None]
