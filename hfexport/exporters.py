@@ -181,6 +181,7 @@ class ExecutorchExporter(HfExporter):
         "histc_to_comparisons",
         "sort_to_topk",
         "empty_like_to_zeros_like",
+        "contiguous_as_copies",
         "dead_code_elimination",
     )
 

@@ -72,3 +72,26 @@ def dead_code_elimination(graph_module: GraphModule) -> int:
     before = len(graph_module.graph.nodes)
     graph_module.graph.eliminate_dead_code()
     return before - len(graph_module.graph.nodes)
+
+
+@graph_pass()
+def contiguous_as_copies(graph_module: GraphModule) -> int:
+    """Turn aten.contiguous into an explicit contiguous copy (aten.clone).
+
+    aten.contiguous is a no-op wherever the tensor's traced layout is already contiguous, and
+    that layout can differ between retraces: ExecuTorch's to_edge decomposes in two passes,
+    the first keeping SDPA whole (XNNPACK runs it), whose output may be laid out so that the
+    transposed result counts as contiguous, the second decomposing it with the math backend,
+    whose output does not; the first pass drops the contiguous and turns the reshape after it
+    into a view, and the second pass then fails with "Cannot view a tensor with shape ... and
+    strides ..." (pytorch/pytorch#136543; CLIP's attention output). The copy is what eager does
+    whenever the tensor is not contiguous.
+    """
+    changed = 0
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and node.target is aten.contiguous.default:
+            source = node.args[0]
+            node.target = aten.clone.default
+            node.args, node.kwargs = (source,), {"memory_format": torch.contiguous_format}
+            changed += 1
+    return changed

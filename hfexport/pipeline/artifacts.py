@@ -78,7 +78,13 @@ def _ep_snapshot(program: torch.export.ExportedProgram) -> torch.export.Exported
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own LeafSpec deprecation on copy
-        return program._update(copy.deepcopy(program.graph_module), copy.deepcopy(program.graph_signature))
+        graph_module = copy.deepcopy(program.graph_module)
+        # the copy renames nodes named after builtins (nn.Linear's `input` becomes `input_1`), which
+        # the signature still names: keep the original names
+        for original, copied in zip(program.graph.nodes, graph_module.graph.nodes, strict=True):
+            copied.name = original.name
+        graph_module.recompile()
+        return program._update(graph_module, copy.deepcopy(program.graph_signature))
 
 
 def flat_tensors(outputs: Any) -> list[torch.Tensor]:

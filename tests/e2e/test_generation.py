@@ -310,7 +310,7 @@ def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache():
 def test_llava_components_include_the_image_encoder_and_projector():
     from models import build_llava
 
-    from hfexport import OnnxConfig, OnnxExporter
+    from hfexport import ExecutorchConfig, ExecutorchExporter, OnnxConfig, OnnxExporter
 
     model, inputs = build_llava()
     components = decompose_for_generation(model, inputs)
@@ -321,6 +321,8 @@ def test_llava_components_include_the_image_encoder_and_projector():
     for exporter, config in [
         (DynamoExporter(), DynamoConfig(dynamic=True, verify=True)),
         (OnnxExporter(), OnnxConfig(dynamic=True, verify=True)),
+        # the CLIP vision tower's config has no max_position_embeddings: the bound must be given
+        (ExecutorchExporter(), ExecutorchConfig(dynamic=True, verify=True, max_seq_len=64)),
     ]:
         programs = exporter.export_for_generation(model, inputs, config)
         assert list(programs) == list(components)

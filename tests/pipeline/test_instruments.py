@@ -60,3 +60,12 @@ def test_dump_layout(tmp_path):
         torch.testing.assert_close(
             loaded.module()(**inputs).last_hidden_state, model(**inputs).last_hidden_state, atol=1e-4, rtol=0
         )
+
+
+def test_dumps_keep_inputs_named_after_builtins(tmp_path):
+    # nn.Linear's forward takes `input`; copying a graph renames such nodes (`input_1`)
+    layer = torch.nn.Linear(8, 4)
+    config = DynamoConfig(dynamic=True, verify=True, dump_dir=tmp_path)
+    program = DynamoExporter().export(layer, {"input": torch.randn(2, 8)}, config)
+    assert list(program.graph_signature.user_inputs) == ["input"]
+    assert (tmp_path / "01_fx_passes" / "00_remove_tensor_metadata_asserts" / "graph.txt").is_file()
