@@ -148,6 +148,7 @@ class OnnxExporter(HfExporter):
     default_passes = (
         *CLEANUP_PASSES,
         "grouped_mm_to_batched_mm",
+        "whole_input_convolutions_as_linear",
         "zero_fully_masked_attention_rows",
         "dead_code_elimination",
         "onnx_optimizer",
@@ -178,6 +179,7 @@ class ExecutorchExporter(HfExporter):
     default_passes = (
         *CLEANUP_PASSES,
         "grouped_mm_to_batched_mm",
+        "whole_input_convolutions_as_linear",
         "histc_to_comparisons",
         "sort_to_topk",
         "empty_like_to_zeros_like",

@@ -113,7 +113,7 @@ def build_llava() -> tuple[torch.nn.Module, dict]:
 
 
 def build_qwen2_vl() -> tuple[torch.nn.Module, dict]:
-    """A tiny random Qwen2-VL and a one-image prompt (a 2x2 patch grid merged into one token)."""
+    """A tiny random Qwen2-VL and a one-image prompt (a 4x4 patch grid merged into 4 tokens)."""
     import transformers
 
     torch.manual_seed(0)
@@ -147,10 +147,10 @@ def build_qwen2_vl() -> tuple[torch.nn.Module, dict]:
         video_token_id=154,
     )
     model = transformers.Qwen2VLForConditionalGeneration(config).eval()
-    grid = torch.tensor([[1, 2, 2]])
+    grid = torch.tensor([[1, 4, 4]])  # 16 patches, merged 2x2 into 4 image tokens
     text_ids = torch.randint(0, 150, (1, 5), generator=torch.Generator().manual_seed(0))
-    ids = torch.cat([torch.tensor([[152, 151, 153]]), text_ids], 1)
-    pixels = torch.randn(4, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0))
+    ids = torch.cat([torch.tensor([[152, 151, 151, 151, 151, 153]]), text_ids], 1)
+    pixels = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(0))
     return model, {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),

@@ -330,9 +330,39 @@ def test_llava_components_include_the_image_encoder_and_projector():
 
 def test_qwen2_vl_components_have_an_image_encoder_and_no_separate_projector():
     from models import build_qwen2_vl
+    from torch.export import Dim
+    from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
+
+    from hfexport import ExecutorchConfig, ExecutorchExporter, OnnxConfig, OnnxExporter
+    from hfexport.pipeline.generation import VisionEncoderWithIndices
 
     model, inputs = build_qwen2_vl()
     components = decompose_for_generation(model, inputs)
     assert list(components) == ["image_encoder", "language_model", "lm_head", "decode"]
-    assert set(components["image_encoder"][1]) == {"hidden_states", "grid_thw"}
+    encoder, kwargs = components["image_encoder"]
+    # the indices Qwen2-VL derives from grid_thw with .tolist() are inputs, as transformers computes them
+    assert isinstance(encoder, VisionEncoderWithIndices) and encoder.encoder is model.get_encoder(modality="image")
+    assert set(kwargs) == {"hidden_states", "grid_thw", "position_ids", "cu_seqlens"}
+    grid = inputs["image_grid_thw"]
+    assert torch.equal(kwargs["position_ids"], get_vision_position_ids(grid, 2))
+    assert torch.equal(kwargs["cu_seqlens"], get_vision_cu_seqlens(grid))
     assert components["language_model"][1]["inputs_embeds"].shape[1] == inputs["input_ids"].shape[1]
+
+    # every axis dynamic would make the patch width (3 x 2 x 14 x 14) symbolic too: the encoder gets
+    # explicit shapes, patches in whole merge blocks of 4
+    patches = 4 * Dim("image_tokens", min=1, max=256)
+    encoder_shapes = {
+        "hidden_states": {0: patches},
+        "grid_thw": {0: Dim.AUTO},
+        "position_ids": {0: patches},
+        "cu_seqlens": {0: Dim.AUTO},
+    }
+    for exporter, config_class, extra in [
+        (DynamoExporter(), DynamoConfig, {}),
+        (OnnxExporter(), OnnxConfig, {}),
+        (ExecutorchExporter(), ExecutorchConfig, {"max_seq_len": 64}),
+    ]:
+        configs = {name: config_class(dynamic=True, verify=True, **extra) for name in components}
+        configs["image_encoder"] = config_class(dynamic_shapes=encoder_shapes, verify=True, **extra)
+        programs = exporter.export_for_generation(model, inputs, configs)  # verify: each within 1e-4 of eager
+        assert list(programs) == list(components)
