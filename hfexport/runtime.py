@@ -173,26 +173,40 @@ def decode_mask(valid: torch.Tensor, query_slots: torch.Tensor, window: int | No
     return (visible[None] & valid[:, None, :].bool())[:, None]
 
 
-def decode_masks(
-    mask_keys: list[str] | None, windows: dict[str, int], valid: torch.Tensor, query_slots: torch.Tensor
-) -> Any:
-    """The decode masks in the structure the graph was exported with: one 4-D tensor
-    (``mask_keys`` None), or ``{layer type: mask}`` for models with several layer types, each
-    layer type in ``windows`` limited to its sliding window."""
-    if mask_keys is None:
-        return decode_mask(valid, query_slots)
-    return {key: decode_mask(valid, query_slots, windows.get(key)) for key in mask_keys}
+class DecodeMasks:
+    """Builds a decode graph's attention masks in the structure it was exported with: one 4-D
+    ``attention_mask`` (``layer_types`` None), or one per layer type (``attention_mask.<type>``
+    inputs), each layer type in ``windows`` limited to its sliding window. Raises
+    :class:`~hfexport.HfExportError` up front for a layer type it cannot build."""
 
+    def __init__(self, layer_types: list[str] | None, windows: dict[str, int]) -> None:
+        unsupported = sorted(set(layer_types or ()) - {"full_attention"} - set(windows))
+        if unsupported:
+            raise HfExportError(
+                f"the decode graph takes attention masks for layer types {unsupported}; the decode loops "
+                "build full-attention masks and the sliding-window masks of windowed static layers only "
+                "(export with hfexport's export_for_generation and a static cache)"
+            )
+        self.layer_types = layer_types
+        self.windows = windows
 
-def check_mask_keys(mask_keys: list[str] | None, windows: dict[str, int]) -> None:
-    """Fail early if the graph takes a mask for a layer type this decode loop cannot build."""
-    unsupported = sorted(set(mask_keys or ()) - {"full_attention"} - set(windows))
-    if unsupported:
-        raise HfExportError(
-            f"the decode graph takes attention masks for layer types {unsupported}; the decode loops build "
-            "full-attention masks and sliding-window masks of windowed static layers only (export with "
-            "hfexport's export_for_generation and a static cache)"
-        )
+    @classmethod
+    def from_input_names(cls, input_names: list[str], windows: dict[str, int]) -> DecodeMasks:
+        types = [name.split(".", 1)[1] for name in input_names if name.startswith("attention_mask.")]
+        return cls(types or None, windows)
+
+    def structured(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
+        """The mask, or ``{layer type: mask}``, as the model's ``attention_mask`` argument."""
+        if self.layer_types is None:
+            return decode_mask(valid, query_slots)
+        return {key: decode_mask(valid, query_slots, self.windows.get(key)) for key in self.layer_types}
+
+    def by_input_name(self, valid: torch.Tensor, query_slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The masks by flat input name (``attention_mask`` or ``attention_mask.<layer type>``)."""
+        masks = self.structured(valid, query_slots)
+        if isinstance(masks, dict):
+            return {f"attention_mask.{key}": mask.contiguous() for key, mask in masks.items()}
+        return {"attention_mask": masks.contiguous()}
 
 
 def greedy_decode(
@@ -242,19 +256,6 @@ def greedy_decode(
     return torch.cat(tokens, dim=1)
 
 
-def _mask_keys(input_names: list[str]) -> list[str] | None:
-    """The layer types of a graph's ``attention_mask.<layer type>`` inputs (None: one mask)."""
-    keys = [name.split(".", 1)[1] for name in input_names if name.startswith("attention_mask.")]
-    return keys or None
-
-
-def _mask_inputs(masks: Any) -> dict[str, torch.Tensor]:
-    """Masks by input name: ``attention_mask``, or ``attention_mask.<layer type>``."""
-    if isinstance(masks, dict):
-        return {f"attention_mask.{key}": mask.contiguous() for key, mask in masks.items()}
-    return {"attention_mask": masks.contiguous()}
-
-
 class DynamoDecoder:
     """``step`` for :func:`greedy_decode` over an exported decode ``ExportedProgram``: the static
     cache is a copy of the one in the program's example inputs, reset, resized to the batch, and
@@ -269,9 +270,7 @@ class DynamoDecoder:
         register_cache_pytrees()
         _, example = program.example_inputs
         mask = example["attention_mask"]
-        self.mask_keys = list(mask) if isinstance(mask, dict) else None
-        self.windows = attention_windows(example)
-        check_mask_keys(self.mask_keys, self.windows)
+        self.masks = DecodeMasks(list(mask) if isinstance(mask, dict) else None, attention_windows(example))
         passed = {"input_ids", "attention_mask", "position_ids", "cache"}
         self.constants = {k: v for k, v in example.items() if k not in passed}
         self.cache = pytree.tree_map(
@@ -287,7 +286,7 @@ class DynamoDecoder:
         with torch.no_grad():
             out = self.module(
                 input_ids=input_ids,
-                attention_mask=decode_masks(self.mask_keys, self.windows, valid, query_slots),
+                attention_mask=self.masks.structured(valid, query_slots),
                 position_ids=position_ids,
                 cache=self.cache,
                 **self.constants,
@@ -320,9 +319,8 @@ class OnnxDecoder:
                 self.cache[path] = torch.zeros(shape, dtype=_ORT_TYPES[types[name]])
         self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
         self.logits_name = runner.output_names[0]
-        self.mask_keys = _mask_keys(runner.input_names)
-        self.windows = json.loads(metadata.get("hfexport.attention_windows", "{}"))
-        check_mask_keys(self.mask_keys, self.windows)
+        windows = json.loads(metadata.get("hfexport.attention_windows", "{}"))
+        self.masks = DecodeMasks.from_input_names(runner.input_names, windows)
         self.binding = self.session.io_binding()
         for name, buffer in self.cache.items():
             self._bind(self.binding.bind_input, f"input.{name}", buffer)
@@ -336,7 +334,7 @@ class OnnxDecoder:
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
         feed = {"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous()}
-        feed.update(_mask_inputs(decode_masks(self.mask_keys, self.windows, valid, query_slots)))
+        feed.update(self.masks.by_input_name(valid, query_slots))
         for name, tensor in feed.items():
             self._bind(self.binding.bind_input, name, tensor)
         self.binding.bind_output(self.logits_name, "cpu")  # allocated by ORT: its shape varies
@@ -391,15 +389,14 @@ class ExecutorchDecoder:
         self.cache = {name: tensor for name, tensor in self.inputs.items() if tensor is not None}
         self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
         self.logits_index = next(i for i, name in enumerate(self.outputs) if not name.startswith("output."))
-        self.mask_keys = _mask_keys(self.runner.input_names)
-        self.windows = self.runner.sidecar.get("attention_windows", {})
-        check_mask_keys(self.mask_keys, self.windows)
+        windows = self.runner.sidecar.get("attention_windows", {})
+        self.masks = DecodeMasks.from_input_names(self.runner.input_names, windows)
 
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
         fed = {"input_ids": input_ids, "position_ids": position_ids}
-        fed.update(_mask_inputs(decode_masks(self.mask_keys, self.windows, valid, query_slots)))
+        fed.update(self.masks.by_input_name(valid, query_slots))
         tensors = []
         for name in self.runner.input_names:
             if name in self.cache:

@@ -67,14 +67,27 @@ def test_sliding_window_decode_applies_the_window_past_it():
     layers = decoder.cache.layers
     assert [type(layer) for layer in layers] == [WindowedStaticLayer, cache_utils.StaticLayer]
     assert layers[0].keys.shape[2] == 32  # full length: the mask applies the window
-    assert decoder.windows == {"sliding_attention": 4}
+    assert decoder.masks.windows == {"sliding_attention": 4}
     expected = reference_tokens(model, prompt)
     assert torch.equal(greedy_decode(decoder, prompt["input_ids"], 16, 32, prompt["attention_mask"]), expected)
     # the same graph with full-attention masks on the sliding layers generates other tokens
     unwindowed = DynamoDecoder(programs["decode"], batch_size=2)
-    unwindowed.windows = {}
+    unwindowed.masks.windows = {}
     tokens = greedy_decode(unwindowed, prompt["input_ids"], 16, 32, prompt["attention_mask"])
     assert not torch.equal(tokens, expected)
+
+
+def test_decode_masks_apply_the_window_and_reject_other_layer_types():
+    from hfexport import HfExportError
+    from hfexport.runtime import DecodeMasks
+
+    masks = DecodeMasks(["full_attention", "sliding_attention"], {"sliding_attention": 2})
+    valid = torch.tensor([[0, 1, 1, 1, 0]])  # slot 0 is padding, slot 4 not written yet
+    built = masks.by_input_name(valid, torch.tensor([3]))
+    assert built["attention_mask.full_attention"][0, 0, 0].tolist() == [False, True, True, True, False]
+    assert built["attention_mask.sliding_attention"][0, 0, 0].tolist() == [False, False, True, True, False]
+    with pytest.raises(HfExportError, match="chunked_attention"):
+        DecodeMasks(["full_attention", "chunked_attention"], {})
 
 
 def test_decode_exported_from_unpadded_prompt_runs_a_padded_batch():
