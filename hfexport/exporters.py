@@ -149,6 +149,7 @@ class OnnxExporter(HfExporter):
         *CLEANUP_PASSES,
         "grouped_mm_to_batched_mm",
         "whole_input_convolutions_as_linear",
+        "explicit_contiguous_copies",
         "zero_fully_masked_attention_rows",
         "dead_code_elimination",
         "onnx_optimizer",
@@ -183,7 +184,7 @@ class ExecutorchExporter(HfExporter):
         "histc_to_comparisons",
         "sort_to_topk",
         "empty_like_to_zeros_like",
-        "contiguous_as_copies",
+        "explicit_contiguous_copies",
         "dead_code_elimination",
     )
 

@@ -25,7 +25,7 @@ def main_output(outputs) -> torch.Tensor:
 
 
 def build_encoder_decoder(kind: str) -> tuple[torch.nn.Module, dict]:
-    """A tiny random Bart / T5 / Whisper and sample generate inputs."""
+    """A tiny random Bart, T5 or Whisper and sample generate inputs."""
     import transformers
 
     torch.manual_seed(0)
@@ -51,6 +51,24 @@ def build_encoder_decoder(kind: str) -> tuple[torch.nn.Module, dict]:
         )
         model = transformers.WhisperForConditionalGeneration(config)
         inputs = {"input_features": torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(0))}
+    elif kind == "t5":
+        config = transformers.T5Config(
+            vocab_size=128,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+        model = transformers.T5ForConditionalGeneration(config)
+        inputs = {
+            "input_ids": torch.randint(2, 128, (2, 7), generator=torch.Generator().manual_seed(0)),
+            "attention_mask": torch.ones(2, 7, dtype=torch.long),
+        }
     else:
         config = transformers.BartConfig(
             vocab_size=128,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
+from hfexport.pipeline.graph_edit import GraphEditor
 from hfexport.pipeline.pass_manager import graph_pass
 
 aten = torch.ops.aten
@@ -74,24 +75,41 @@ def dead_code_elimination(graph_module: GraphModule) -> int:
     return before - len(graph_module.graph.nodes)
 
 
-@graph_pass()
-def contiguous_as_copies(graph_module: GraphModule) -> int:
-    """Turn aten.contiguous into an explicit contiguous copy (aten.clone).
+_TRANSPOSES = (aten.transpose.int, aten.permute.default, aten.t.default)
+_RESHAPES = (aten.reshape.default, aten.view.default)
 
-    aten.contiguous is a no-op wherever the tensor's traced layout is already contiguous, and
-    that layout can differ between retraces: ExecuTorch's to_edge decomposes in two passes,
-    the first keeping SDPA whole (XNNPACK runs it), whose output may be laid out so that the
-    transposed result counts as contiguous, the second decomposing it with the math backend,
-    whose output does not; the first pass drops the contiguous and turns the reshape after it
-    into a view, and the second pass then fails with "Cannot view a tensor with shape ... and
-    strides ..." (pytorch/pytorch#136543; CLIP's attention output). The copy is what eager does
-    whenever the tensor is not contiguous.
+
+@graph_pass()
+def explicit_contiguous_copies(graph_module: GraphModule) -> int:
+    """Make the copies that depend on a tensor's memory layout explicit: ``aten.contiguous``
+    becomes ``aten.clone(memory_format=contiguous_format)``, and a reshape of a transposed tensor
+    reshapes a contiguous clone of it.
+
+    Whether ``contiguous`` copies and whether a reshape is a view depends on the layout traced,
+    and SDPA lays its output out differently per backend: the fused CPU kernel's transposed output
+    is contiguous, the math decomposition's is not. Lowerings that decompose in several retraces
+    (ExecuTorch's to_edge keeps SDPA whole for XNNPACK, then decomposes it; torch.onnx's
+    decomposition) drop the copy or record a view in one retrace and then fail in the next with
+    "Cannot view a tensor with shape ... and strides ..." (pytorch/pytorch#136543; CLIP and T5
+    attention outputs). An explicit clone is a copy in every retrace: what eager does whenever
+    the layout needs one, and one extra copy of the attention output otherwise.
     """
     changed = 0
-    for node in graph_module.graph.nodes:
-        if node.op == "call_function" and node.target is aten.contiguous.default:
-            source = node.args[0]
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.contiguous.default:
             node.target = aten.clone.default
-            node.args, node.kwargs = (source,), {"memory_format": torch.contiguous_format}
+            node.args, node.kwargs = (node.args[0],), {"memory_format": torch.contiguous_format}
+            changed += 1
+        elif node.target in _RESHAPES and _is_transpose(node.args[0]):
+            source = node.args[0]
+            copy = GraphEditor(graph, node).call(aten.clone.default, source, memory_format=torch.contiguous_format)
+            node.replace_input_with(source, copy)
             changed += 1
     return changed
+
+
+def _is_transpose(node: object) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _TRANSPOSES

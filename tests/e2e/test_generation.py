@@ -42,8 +42,9 @@ def test_decompose_decoder_only_keeps_a_stable_signature():
 def test_static_multi_token_decode_generates_the_same_tokens(preset):
     model = build(preset)
     prompt = sample_inputs(model, 2, 6)
+    # verify=True: each component within 1e-4 of its eager module on the captured inputs
     programs = DynamoExporter().export_for_generation(
-        model, prompt, DynamoConfig(dynamic=True), STATIC, multi_token_decode=True
+        model, prompt, DynamoConfig(dynamic=True, verify=True), STATIC, multi_token_decode=True
     )
     assert set(programs) == {"prefill", "decode"}
     decoder = DynamoDecoder(programs["decode"], batch_size=2)
@@ -212,7 +213,7 @@ def test_executorch_static_decode_generates_the_same_tokens(preset, tmp_path):
 
     model = build(preset)
     prompt = sample_inputs(model, 2, 6)
-    config = {"decode": ExecutorchConfig(dynamic=True, verify=True), "prefill": ExecutorchConfig(dynamic=True)}
+    config = ExecutorchConfig(dynamic=True, verify=True)
     programs = ExecutorchExporter().export_for_generation(model, prompt, config, STATIC, multi_token_decode=True)
     save_pte(programs["decode"], tmp_path / "decode.pte")
     decoder = ExecutorchDecoder(tmp_path / "decode.pte", batch_size=2)
@@ -256,7 +257,7 @@ def test_mark_cache_mutations_records_the_static_cache_writes(tmp_path):
     assert "mutated_inputs=6" in (tmp_path / "decode" / "report.md").read_text()
 
 
-@pytest.mark.parametrize("kind", ["bart", "whisper"])
+@pytest.mark.parametrize("kind", ["bart", "t5", "whisper"])
 def test_encoder_decoder_components_match_eager_on_dynamo_and_onnx(kind):
     from models import build_encoder_decoder
 
@@ -276,7 +277,7 @@ def test_encoder_decoder_components_match_eager_on_dynamo_and_onnx(kind):
         assert list(programs) == ["encoder", "prefill", "decode"]
 
 
-@pytest.mark.parametrize("kind", ["bart", "whisper"])
+@pytest.mark.parametrize("kind", ["bart", "t5", "whisper"])
 def test_encoder_decoder_components_match_eager_on_executorch(kind):
     from models import build_encoder_decoder
 

@@ -70,25 +70,28 @@ def test_remove_runtime_asserts_drops_shape_checks():
 
 
 class AttentionOutput(torch.nn.Module):
-    """An attention block's output: heads-last, made contiguous and flattened (CLIP's attention).
-    The fused CPU SDPA lays its output out so that the transposed result is contiguous."""
+    """Attention outputs flattened back to hidden size: made contiguous first (CLIP) or reshaped
+    straight from the transpose (T5). Whether either copies depends on SDPA's output layout."""
 
     def forward(self, x):
         attention = torch.nn.functional.scaled_dot_product_attention(x, x, x)
-        return attention.transpose(1, 2).contiguous().reshape(x.shape[0], x.shape[2], -1)
+        clip = attention.transpose(1, 2).contiguous().reshape(x.shape[0], x.shape[2], -1)
+        t5 = attention.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+        return clip, t5
 
 
-def test_contiguous_as_copies_keeps_the_copy_through_a_retrace():
+def test_explicit_contiguous_copies_keeps_the_copies_through_a_retrace():
     x = torch.randn(2, 4, 5, 8)
     program = export(AttentionOutput(), x)
     expected = program.module()(x)
-    result = get_pass("contiguous_as_copies")(program)
-    assert result.counts == {"rewritten": 1}
+    result = get_pass("explicit_contiguous_copies")(program)
+    assert result.counts == {"rewritten": 2}
     assert count(result.program, torch.ops.aten.contiguous.default) == 0
-    clone = next(n for n in result.program.graph.nodes if n.target is torch.ops.aten.clone.default)
-    assert clone.kwargs == {"memory_format": torch.contiguous_format}
-    # a retrace keeps an explicit copy whatever layout SDPA gives (it could drop a contiguous);
-    # end to end: LLaVA's CLIP tower on ExecuTorch in tests/e2e/test_generation.py
+    clones = [n for n in result.program.graph.nodes if n.target is torch.ops.aten.clone.default]
+    assert len(clones) == 2 and all(c.kwargs == {"memory_format": torch.contiguous_format} for c in clones)
+    # a retrace keeps explicit copies whatever layout SDPA gives (it could drop a contiguous or
+    # record a view); end to end: LLaVA's CLIP tower on ExecuTorch, T5's encoder on ONNX
     retraced = result.program.run_decompositions()
-    assert count(retraced, torch.ops.aten.clone.default) >= 1
-    torch.testing.assert_close(retraced.module()(x), expected, atol=1e-6, rtol=0)
+    assert count(retraced, torch.ops.aten.clone.default) >= 2
+    for got, want in zip(retraced.module()(x), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
