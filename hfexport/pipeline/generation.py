@@ -125,6 +125,20 @@ def _with_attention_mask(kwargs: dict[str, Any], past: int) -> dict[str, Any]:
     return {**kwargs, "attention_mask": torch.ones(batch, past + length, dtype=torch.long)}
 
 
+def _with_prompt_mask(kwargs: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """generate hands the prefill the caller's 2-D mask, a per-layer-type dict of 4-D masks, or a
+    dict of ``None`` (an all-ones mask it could skip), depending on the model, the cache and the
+    sample's padding. The prefill graph always takes the 2-D prompt mask (the model builds its
+    masks from it), so its inputs do not depend on the sample's content. Encoder-decoder prefills
+    (no ``input_ids``) keep the encoder's mask."""
+    if "input_ids" not in kwargs:
+        return kwargs
+    mask = inputs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.shape != kwargs["input_ids"].shape:
+        mask = torch.ones_like(kwargs["input_ids"])
+    return {**kwargs, "attention_mask": mask.clone()}
+
+
 def _cat(first: Any, second: Any, dim: int) -> Any:
     if isinstance(first, dict):
         return {k: _cat(first[k], second[k], dim) for k in first}
@@ -205,7 +219,7 @@ def decompose_for_generation(
         raise HfExportError(
             f"generate made {len(calls)} forward calls, expected {new_tokens}; cannot tell prefill from decode"
         )
-    prefill = _with_attention_mask(_clean(model, calls[0]), past=0)
+    prefill = _with_prompt_mask(_clean(model, calls[0]), inputs)
     decode = merge_decode_steps(calls[1], calls[2]) if multi_token_decode else calls[1]
     # the cache can't always tell its length (SSM caches hold states, not tokens): count it
     prompt_length = prefill["input_ids"].shape[1] if "input_ids" in prefill else 0

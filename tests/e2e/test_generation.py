@@ -38,6 +38,18 @@ def test_decompose_decoder_only_keeps_a_stable_signature():
     assert all(torch.equal(prompt[k], before[k]) for k in before)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_prefill_takes_the_2d_prompt_mask_with_or_without_padding(padded):
+    # with a static cache generate hands Qwen3's prefill {"full_attention": None} for an unpadded
+    # prompt and 4-D masks for a padded one; the exported prefill takes the 2-D mask either way
+    model = build("tiny-qwen3")
+    prompt = sample_inputs(model, 2, 6)
+    if padded:
+        prompt["attention_mask"][0, :2] = 0
+    components = decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)
+    assert torch.equal(components["prefill"][1]["attention_mask"], prompt["attention_mask"])
+
+
 @pytest.mark.parametrize("preset", DECODER_ONLY[:3])  # tiny-gemma3: test_sliding_window_decode_...
 def test_static_multi_token_decode_generates_the_same_tokens(preset):
     model = build(preset)
