@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from models import build, sample_inputs
 
@@ -99,14 +100,14 @@ def test_export_executorch(tmp_path):
     assert "| delegate |" in result.stdout
 
 
-def test_export_for_generation_then_generate(tmp_path):
+# tiny-gemma3: sliding-window layers (window 4), loaded from decode.pt2 in a fresh process
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gemma3"])
+def test_export_for_generation_then_generate(tmp_path, preset):
     out = tmp_path / "gen"
-    run(
-        "export", "tiny-qwen3", "--format", "dynamo", "--dynamic", "--generation", "--max-cache-len", "32", "--out", out
-    )
+    run("export", preset, "--format", "dynamo", "--dynamic", "--generation", "--max-cache-len", "32", "--out", out)
     assert (out / "prefill.pt2").is_file() and (out / "decode.pt2").is_file()
     result = run("generate", out, "--prompt-ids", "5,9,14,2,77", "--max-new-tokens", "8")
-    model = build("tiny-qwen3")
+    model = build(preset)
     with torch.no_grad():
         expected = model.generate(
             torch.tensor([[5, 9, 14, 2, 77]]), max_new_tokens=8, min_new_tokens=8, do_sample=False
