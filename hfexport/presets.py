@@ -33,7 +33,8 @@ class Preset:
         return getattr(transformers, self.model_class)(config).eval()
 
 
-_DECODER = {
+# the shape of every tiny decoder-only preset (2 layers, hidden 64)
+TINY_DECODER = {
     "vocab_size": 128,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -44,18 +45,18 @@ _DECODER = {
 }
 
 PRESETS: dict[str, Preset] = {
-    "tiny-llama": Preset("LlamaConfig", _DECODER, "LlamaForCausalLM"),
-    "tiny-qwen3": Preset("Qwen3Config", {**_DECODER, "head_dim": 16}, "Qwen3ForCausalLM"),
+    "tiny-llama": Preset("LlamaConfig", TINY_DECODER, "LlamaForCausalLM"),
+    "tiny-qwen3": Preset("Qwen3Config", {**TINY_DECODER, "head_dim": 16}, "Qwen3ForCausalLM"),
     "tiny-qwen3-moe": Preset(
         "Qwen3MoeConfig",
-        {**_DECODER, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
+        {**TINY_DECODER, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
         "Qwen3MoeForCausalLM",
     ),
-    "tiny-mistral": Preset("MistralConfig", _DECODER, "MistralForCausalLM"),
-    "tiny-phi3": Preset("Phi3Config", {**_DECODER, "num_key_value_heads": 4, "pad_token_id": 0}, "Phi3ForCausalLM"),
+    "tiny-mistral": Preset("MistralConfig", TINY_DECODER, "MistralForCausalLM"),
+    "tiny-phi3": Preset("Phi3Config", {**TINY_DECODER, "num_key_value_heads": 4, "pad_token_id": 0}, "Phi3ForCausalLM"),
     "tiny-gemma3": Preset(
         "Gemma3TextConfig",
-        {**_DECODER, "head_dim": 16, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+        {**TINY_DECODER, "head_dim": 16, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
         "Gemma3ForCausalLM",
     ),
     "tiny-gpt2": Preset(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hfexport.presets import PRESETS, sample_inputs
+from hfexport.presets import PRESETS, TINY_DECODER, sample_inputs
 
 __all__ = ["PRESETS", "build", "eager", "sample_inputs"]
 
@@ -65,10 +65,6 @@ def build_encoder_decoder(kind: str) -> tuple[torch.nn.Module, dict]:
             eos_token_id=1,
         )
         model = transformers.T5ForConditionalGeneration(config)
-        inputs = {
-            "input_ids": torch.randint(2, 128, (2, 7), generator=torch.Generator().manual_seed(0)),
-            "attention_mask": torch.ones(2, 7, dtype=torch.long),
-        }
     else:
         config = transformers.BartConfig(
             vocab_size=128,
@@ -82,6 +78,7 @@ def build_encoder_decoder(kind: str) -> tuple[torch.nn.Module, dict]:
             max_position_embeddings=64,
         )
         model = transformers.BartForConditionalGeneration(config)
+    if kind != "whisper":  # a text prompt, above the special token ids
         inputs = {
             "input_ids": torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0)),
             "attention_mask": torch.ones(2, 7, dtype=torch.long),
@@ -146,16 +143,7 @@ def build_qwen2_vl() -> tuple[torch.nn.Module, dict]:
         "in_chans": 3,
         "mlp_ratio": 2,
     }
-    text = {
-        "vocab_size": 160,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-    }
+    text = {**TINY_DECODER, "vocab_size": 160, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
     config = transformers.Qwen2VLConfig(
         vision_config=vision,
         text_config=text,

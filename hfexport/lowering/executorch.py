@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import OutputKind
 
 from hfexport.errors import ConfigError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
 from hfexport.pipeline.capture import AxisBound, sample_shapes
-from hfexport.pipeline.io_names import program_io_names
+from hfexport.pipeline.io_names import program_io_names, user_input_names
 from hfexport.pipeline.pipeline import CaptureStage, PipelineRun
 from hfexport.versions import require_backend
 
@@ -167,11 +167,9 @@ def pte_io_names(program: Any) -> tuple[list[str], list[str]]:
     back an input the program mutates (a static cache) are ``output.<input name>``."""
     exported = program.exported_program()
     inputs, user_outputs = program_io_names(exported)
-    signature = exported.graph_signature
-    placeholders = [s.arg.name for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
-    name_of = dict(zip(placeholders, inputs, strict=False))
+    name_of = user_input_names(exported)
     outputs, user_names = [], iter(user_outputs)
-    for spec in signature.output_specs:
+    for spec in exported.graph_signature.output_specs:
         if spec.kind == OutputKind.USER_INPUT_MUTATION:
             outputs.append(f"output.{name_of.get(spec.target, spec.target)}")
         elif spec.kind == OutputKind.USER_OUTPUT:

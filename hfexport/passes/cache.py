@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from hfexport.pipeline.io_names import program_io_names
+from hfexport.pipeline.io_names import user_input_names
 from hfexport.pipeline.pass_manager import PassResult, register_pass
 
 CACHE_MUTATIONS_KEY = "hfexport.cache_mutations"
@@ -27,13 +27,7 @@ def input_mutations(program: torch.export.ExportedProgram) -> dict[str, list[str
     """``{user input name: [in-place ops writing it]}`` for an ``ExportedProgram``, from in-place
     ops in the graph (training IR) and from the signature's input-mutation outputs (after
     functionalisation)."""
-    names, _ = program_io_names(program)
-    user_placeholders = [
-        spec.arg.name
-        for spec in program.graph_signature.input_specs
-        if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT
-    ]
-    by_placeholder = dict(zip(user_placeholders, names, strict=False))
+    by_placeholder = user_input_names(program)
     found: dict[str, list[str]] = {}
     for node in program.graph.nodes:
         if node.op != "call_function":

@@ -37,6 +37,14 @@ def program_io_names(program: torch.export.ExportedProgram) -> tuple[list[str], 
     return names, [name or "output" for name in outputs]
 
 
+def user_input_names(program: torch.export.ExportedProgram) -> dict[str, str]:
+    """``{placeholder name: readable name}`` for the program's user inputs."""
+    from torch.export.graph_signature import InputKind
+
+    placeholders = [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    return dict(zip(placeholders, program_io_names(program)[0], strict=False))
+
+
 def _placeholder_tree(spec: pytree.TreeSpec) -> Any:
     # Tensor leaves, so custom nodes (caches) flatten back into the same structure.
     return pytree.tree_unflatten([torch.empty(0) for _ in range(spec.num_leaves)], spec)
