@@ -4,7 +4,8 @@ capture (torch.export) → named FX passes → lowering (torch.export / ONNX / E
 every stage can dump its graph, be timed and be checked against eager PyTorch.
 """
 
-from hfexport.auto import AutoExportConfig, AutoHfExporter, register_backend
+import hfexport.passes  # noqa: F401  (registers the built-in passes)
+from hfexport.auto import AutoExportConfig, AutoHfExporter
 from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig
 from hfexport.errors import (
     CaptureError,
@@ -16,8 +17,18 @@ from hfexport.errors import (
     UnsupportedModelError,
     VerificationError,
 )
-from hfexport.exporters import DynamoExporter, ExecutorchExporter, HfExporter, OnnxExporter
-from hfexport.pipeline.generation import decompose_for_generation
+from hfexport.exporters import (
+    DynamoExporter,
+    ExecutorchExporter,
+    HfExporter,
+    OnnxExporter,
+    export_targets,
+    run_for_generation,
+    run_targets,
+)
+from hfexport.models.caches import register_pytree_node
+from hfexport.models.generation import decompose_for_generation
+from hfexport.pipeline.capture import AxisBounds, Captured
 from hfexport.pipeline.instruments import Instrument, StepRecord
 from hfexport.pipeline.pass_manager import (
     Pass,
@@ -30,23 +41,43 @@ from hfexport.pipeline.pass_manager import (
 )
 from hfexport.pipeline.patches import PATCHES, Patch, patches_applied, register_patch
 from hfexport.pipeline.pipeline import Pipeline, PipelineResult
-from hfexport.pipeline.pytree import register_pytree_node
-from hfexport.runtime import ExecutorchRunner, OnnxRunner, load_exported_program
+from hfexport.targets import ExportFolder, Target, get_target, register_target, save_export
+from hfexport.targets.dynamo import load_exported_program
+from hfexport.targets.manifest import ComponentSpec, Manifest
+
+
+def __getattr__(name: str) -> object:
+    # the runners import their runtime only when asked for
+    if name == "OnnxRunner":
+        from hfexport.targets.onnx.runner import OnnxRunner
+
+        return OnnxRunner
+    if name == "ExecutorchRunner":
+        from hfexport.targets.executorch.runner import ExecutorchRunner
+
+        return ExecutorchRunner
+    raise AttributeError(f"module 'hfexport' has no attribute {name!r}")
+
 
 __all__ = [
     "PATCHES",
     "AutoExportConfig",
     "AutoHfExporter",
+    "AxisBounds",
     "CaptureError",
+    "Captured",
+    "ComponentSpec",
     "ConfigError",
     "DynamoConfig",
     "DynamoExporter",
     "ExecutorchConfig",
     "ExecutorchExporter",
     "ExecutorchRunner",
+    "ExportFolder",
     "HfExportError",
     "HfExporter",
     "Instrument",
+    "Manifest",
     "OnnxConfig",
     "OnnxExporter",
     "OnnxRunner",
@@ -60,16 +91,22 @@ __all__ = [
     "PipelineResult",
     "StageError",
     "StepRecord",
+    "Target",
     "UnsupportedModelError",
     "VerificationError",
     "decompose_for_generation",
+    "export_targets",
     "get_pass",
+    "get_target",
     "graph_pass",
     "load_exported_program",
     "patches_applied",
-    "register_backend",
     "register_pass",
     "register_patch",
     "register_pytree_node",
+    "register_target",
     "registered_passes",
+    "run_for_generation",
+    "run_targets",
+    "save_export",
 ]

@@ -1,4 +1,4 @@
-"""The ``hfexport`` command: ``export``, ``passes``, ``replay``."""
+"""The ``hfexport`` command: ``export``, ``generate``, ``passes``, ``replay``, driven by the target registry."""
 
 from __future__ import annotations
 
@@ -10,82 +10,96 @@ from pathlib import Path
 from typing import Any
 
 from hfexport.errors import HfExportError
+from hfexport.targets import target_names
+
+
+def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
+    """One config per target: the ``--config`` JSON (flat, or one section per target name), then the flags."""
+    from hfexport.auto import AutoExportConfig
+
+    try:
+        settings = json.loads(Path(args.config).read_text()) if args.config else {}
+    except (OSError, json.JSONDecodeError) as error:
+        raise HfExportError(f"--config {args.config}: cannot read a JSON object ({error})") from error
+    if not isinstance(settings, dict):
+        raise HfExportError(f"--config {args.config}: expected a JSON object of config keys")
+    sectioned = bool(settings) and set(settings) <= set(target_names())
+    configs = []
+    for export_format in formats:
+        values = dict(settings.get(export_format, {}) if sectioned else settings)
+        values["export_format"] = export_format
+        for key in ("dynamic", "verify"):
+            if getattr(args, key):
+                values[key] = True
+        if args.passes is not None:
+            values["passes"] = args.passes
+        if args.dump_dir:
+            values["dump_dir"] = args.dump_dir if len(formats) == 1 else str(Path(args.dump_dir) / export_format)
+        configs.append(AutoExportConfig.from_dict(values))
+    return configs
 
 
 def _export(args: argparse.Namespace) -> int:
-    from hfexport.auto import AutoExportConfig, AutoHfExporter
-    from hfexport.pipeline.artifacts import artifact_kind
+    from hfexport.exporters import run_for_generation, run_targets
     from hfexport.pipeline.instruments import ProgressInstrument
     from hfexport.pipeline.pipeline import stage_table
     from hfexport.presets import load_model, sample_inputs
+    from hfexport.targets import save_export
 
-    settings = json.loads(Path(args.config).read_text()) if args.config else {}
-    settings["export_format"] = args.format
-    for key in ("dynamic", "verify"):
-        if getattr(args, key):
-            settings[key] = True
-    if args.passes is not None:
-        settings["passes"] = args.passes
-    if args.dump_dir:
-        settings["dump_dir"] = args.dump_dir
-    config = AutoExportConfig.from_dict(settings)
-    exporter = AutoHfExporter.from_config(config)
-
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in target_names()]
+    if unknown or not formats:
+        raise HfExportError(
+            f"unknown --format {','.join(unknown) or repr(args.format)}; valid: {', '.join(target_names())}"
+        )
+    configs = _configs(args, formats)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model = load_model(args.model)
     inputs = sample_inputs(model, args.batch, args.seq)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    folders = {f: out if len(formats) == 1 else out / f for f in formats}
+    progress = (ProgressInstrument(),)
     if args.generation:
-        return _export_for_generation(exporter, model, inputs, config, args, out)
-    result = exporter.run(model, inputs, config, instruments=(ProgressInstrument(),))
+        from transformers import GenerationConfig
 
-    kind = artifact_kind(result.program)
-    path = out / f"model{kind.suffix}"
-    kind.save(result.program, path)
-    print(stage_table(result.records))
-    print(f"\nwrote {path}" + (f"; dumps and report.md in {config.dump_dir}" if config.dump_dir else ""))
+        generation_config = GenerationConfig(cache_implementation="static", max_cache_len=args.max_cache_len)
+        by_component = run_for_generation(model, inputs, configs, generation_config, True, progress)
+        for export_format, folder in folders.items():
+            results = {name: by_target[export_format] for name, by_target in by_component.items()}
+            generation = {"max_cache_len": args.max_cache_len, "multi_token_decode": True}
+            manifest = save_export(folder, results, generation=generation)
+            for spec in manifest.components.values():
+                print(f"wrote {folder / spec.file}")
+        return 0
+    results = run_targets(model, inputs, configs, progress)
+    for export_format, result in results.items():
+        manifest = save_export(folders[export_format], {"model": result})
+        print(stage_table(result.records))
+        path = folders[export_format] / manifest.components["model"].file
+        dumps = f"; dumps and report.md in {result_dump(configs, export_format)}" if args.dump_dir else ""
+        print(f"\nwrote {path}{dumps}")
     return 0
 
 
-def _export_for_generation(
-    exporter: Any, model: Any, inputs: dict[str, Any], config: Any, args: argparse.Namespace, out: Path
-) -> int:
-    from transformers import GenerationConfig
-
-    from hfexport.pipeline.artifacts import artifact_kind
-
-    generation_config = GenerationConfig(cache_implementation="static", max_cache_len=args.max_cache_len)
-    programs = exporter.export_for_generation(model, inputs, config, generation_config, multi_token_decode=True)
-    for name, program in programs.items():
-        kind = artifact_kind(program)
-        kind.save(program, out / f"{name}{kind.suffix}")
-        print(f"wrote {out / (name + kind.suffix)}")
-    manifest = {"format": config.export_format, "components": sorted(programs), "max_cache_len": args.max_cache_len}
-    (out / "generation.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return 0
+def result_dump(configs: list[Any], export_format: str) -> str:
+    return next(c.dump_dir for c in configs if c.export_format == export_format)
 
 
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from hfexport import runtime
+    from hfexport.generation import greedy_decode
+    from hfexport.targets import ExportFolder
 
-    folder = Path(args.export_dir)
-    manifest_path = folder / "generation.json"
-    if not manifest_path.is_file():
-        raise FileNotFoundError(
-            f"{manifest_path} not found; export with `hfexport export MODEL --generation --out DIR`"
+    export = ExportFolder(args.export_dir)
+    if not export.manifest.generation:
+        raise HfExportError(
+            f"{args.export_dir} holds a single-graph export; export with "
+            "`hfexport export MODEL --dynamic --generation --out DIR` to generate"
         )
-    export_format = json.loads(manifest_path.read_text())["format"]
-    if export_format == "dynamo":
-        decoder = runtime.DynamoDecoder(runtime.load_exported_program(folder / "decode.pt2"), batch_size=1)
-    elif export_format == "onnx":
-        decoder = runtime.OnnxDecoder(folder / "decode.onnx", batch_size=1)
-    else:
-        decoder = runtime.ExecutorchDecoder(folder / "decode.pte", batch_size=1)
+    decoder = export.decoder(batch_size=1)
     prompt = torch.tensor([[int(token) for token in args.prompt_ids.split(",")]])
-    tokens = runtime.greedy_decode(decoder, prompt, args.max_new_tokens, decoder.max_cache_len)
+    tokens = greedy_decode(decoder, prompt, args.max_new_tokens, decoder.max_cache_len)
     print(",".join(str(t) for t in tokens[0, prompt.shape[1] :].tolist()))
     return 0
 
@@ -104,11 +118,12 @@ def _replay(args: argparse.Namespace) -> int:
     import torch
 
     from hfexport.pipeline.pass_manager import PassManager
-    from hfexport.runtime import load_exported_program
+    from hfexport.targets.dynamo import load_exported_program
 
     program = load_exported_program(args.program)
     manager = PassManager(args.passes)
-    program = manager.run(program, log=lambda line: print(line, file=sys.stderr))
+    applied = [name for name in (args.applied or "").split(",") if name]
+    program = manager.run(program, applied, log=lambda line: print(line, file=sys.stderr))
     if args.out:
         torch.export.save(program, args.out)
         print(f"wrote {args.out}")
@@ -116,8 +131,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hfexport.auto import BACKENDS
-
     parser = argparse.ArgumentParser(
         prog="hfexport", description="Export transformers models through a staged pipeline."
     )
@@ -126,8 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = commands.add_parser("export", help="export a model (a built-in tiny preset or a local folder)")
     export.add_argument("model", help="a preset (tiny-llama, tiny-qwen3, ...) or a folder written by save_pretrained")
-    export.add_argument("--format", default="dynamo", choices=sorted(BACKENDS), help="the target (default: dynamo)")
-    export.add_argument("--out", required=True, help="output folder for model.<pt2|onnx|pte>")
+    export.add_argument(
+        "--format",
+        default="dynamo",
+        help=f"the target, or several comma-separated, all from one capture ({', '.join(target_names())}; default: dynamo)",
+    )
+    export.add_argument(
+        "--out", required=True, help="output folder (the artifact and hfexport.json; one sub-folder per target)"
+    )
     export.add_argument("--dynamic", action="store_true", help="mark every input axis dynamic")
     export.add_argument("--passes", help="comma-separated FX pass list replacing the backend default ('' for none)")
     export.add_argument("--dump-dir", help="write per-stage / per-pass dumps and report.md here")
@@ -152,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("program", help="a .pt2 file")
     replay.add_argument("--passes", required=True, help="comma-separated pass names")
     replay.add_argument("--out", help="save the resulting program here")
+    replay.add_argument("--applied", help="comma-separated passes that already ran on the program (for error messages)")
     replay.set_defaults(run=_replay)
     return parser
 
@@ -165,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except (HfExportError, FileNotFoundError) as error:
         print(f"hfexport: error: {error}", file=sys.stderr)
+        for note in getattr(error, "__notes__", ()):
+            print(f"hfexport: {note}", file=sys.stderr)
         return 2
 
 

@@ -63,7 +63,8 @@ class DynamoConfig:
             names / :class:`~hfexport.Pass` objects or a comma-separated string of names.
         dump_dir: write per-stage and per-pass dumps and ``report.md`` under this folder.
         verify: after capture and after each stage, compare the program's outputs with eager
-            PyTorch on the sample inputs and fail at the first stage over ``tolerance``.
+            PyTorch on the sample inputs and fail at the first stage over ``tolerance``;
+            ``"passes"`` checks after every pass too and names the first pass over it.
         tolerance: max abs difference allowed by ``verify``; ``None`` is 1e-4 for fp32 models
             and 1e-2 for half-precision ones.
     """
@@ -76,7 +77,7 @@ class DynamoConfig:
     strict: bool = False
     passes: Any = None
     dump_dir: str | None = None
-    verify: bool = False
+    verify: bool | str = False
     tolerance: float | None = None
 
     def __post_init__(self) -> None:
@@ -86,6 +87,8 @@ class DynamoConfig:
             raise ConfigError("set either dynamic=True (every axis dynamic) or explicit dynamic_shapes, not both")
         if self.dump_dir is not None:
             self.dump_dir = str(self.dump_dir)
+        if self.verify not in (True, False, "passes"):
+            raise ConfigError(f"verify must be True, False or 'passes', got {self.verify!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

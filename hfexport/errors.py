@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class HfExportError(Exception):
     """Base class of every error hfexport raises on purpose."""
@@ -24,7 +26,22 @@ class PassOrderError(HfExportError):
 
 
 class PassError(HfExportError):
-    """A pass raised or left the program in an invalid state."""
+    """A pass raised or left the program in an invalid state. ``pass_name``, ``passes_before``
+    and ``cause`` (the underlying error as text) say which pass failed, after which, and how."""
+
+    pass_name: str = ""
+    passes_before: tuple[str, ...] = ()
+    cause: str = ""
+
+    @classmethod
+    def of(cls, pass_name: str, passes_before: Sequence[str], error: BaseException) -> PassError:
+        if isinstance(error, PassError):
+            return error
+        cause = f"{type(error).__name__}: {error}"
+        before = ", ".join(passes_before) or "none"
+        instance = cls(f"pass {pass_name!r} failed ({cause}); passes before it: {before}")
+        instance.pass_name, instance.passes_before, instance.cause = pass_name, tuple(passes_before), cause
+        return instance
 
 
 class StageError(HfExportError):

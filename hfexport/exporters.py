@@ -1,26 +1,28 @@
-"""The exporters: thin facades that build a :class:`~hfexport.Pipeline` from a config and run it."""
+"""The exporters: thin facades that capture a model and lower the capture to a target.
+
+Each exporter builds a :class:`~hfexport.Pipeline` from its registered target
+(:mod:`hfexport.targets`): capture → FX passes → the target's stages. :func:`run_targets` lowers
+one capture to several targets.
+"""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
-from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig
+from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig, _encode_dim
 from hfexport.errors import ConfigError, HfExportError
+from hfexport.models import TRANSFORMERS
+from hfexport.pipeline.capture import AxisBounds, Captured
 from hfexport.pipeline.instruments import Instrument
 from hfexport.pipeline.pass_manager import PassManager, resolve_passes
-from hfexport.pipeline.pipeline import (
-    CaptureStage,
-    PassStage,
-    Pipeline,
-    PipelineResult,
-    PipelineRun,
-    Stage,
-    TransformStage,
-)
+from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult, Stage
+from hfexport.targets import Target, get_target
 from hfexport.versions import warn_on_version_drift
 
 FX_PASSES = "fx_passes"
@@ -29,10 +31,9 @@ FX_PASSES = "fx_passes"
 class HfExporter:
     """Base of the exporters.
 
-    A subclass sets ``export_format``, ``config_class`` and ``default_passes`` (pass names of any
-    of its pass stages, in order) and lists its stages after the FX passes in
-    :meth:`lowering_stages`: :class:`~hfexport.pipeline.pipeline.Stage` objects, and the names of
-    pass stages, which receive the passes whose ``stage`` is that name.
+    A subclass sets ``export_format`` (the name of a registered :class:`~hfexport.targets.Target`,
+    which supplies the stages after the FX passes), ``config_class`` and ``default_passes`` (pass
+    names of any of its pass stages, in order).
     """
 
     export_format: ClassVar[str]
@@ -42,13 +43,13 @@ class HfExporter:
     def __init__(self) -> None:
         warn_on_version_drift()
 
-    def lowering_stages(self, config: Any) -> list[Stage | str]:
-        """The stages after the FX passes (none for the Dynamo exporter)."""
-        return []
+    @property
+    def target(self) -> Target:
+        return get_target(self.export_format)
 
-    def capture_stage(self, config: Any) -> CaptureStage:
-        """The capture stage (backends that need bounded dynamic axes override this)."""
-        return CaptureStage()
+    def lowering_stages(self, config: Any) -> list[Stage | str]:
+        """The stages after the FX passes: the target's."""
+        return self.target.stages(config)
 
     def pass_list(self, config: Any) -> list[Any]:
         """The configured pass list: ``config.passes`` or the default list."""
@@ -65,7 +66,7 @@ class HfExporter:
         return config
 
     def build_pipeline(self, config: Any = None, instruments: tuple[Instrument, ...] = ()) -> Pipeline:
-        """The pipeline :meth:`export` runs: capture → FX passes → lowering stages, with the
+        """The pipeline :meth:`export` runs: capture → FX passes → the target's stages, with the
         passes of ``config.passes`` (or the default list) split among the pass stages, and the
         instruments the config asks for. Edit its ``passes`` and call :meth:`Pipeline.run` to run
         a custom pass list."""
@@ -81,14 +82,23 @@ class HfExporter:
                 )
             by_stage[pass_.stage].append(pass_)
         stages = [PassStage(s, PassManager(by_stage[s])) if isinstance(s, str) else s for s in layout]
-        return Pipeline.for_config(stages, config, instruments, self.capture_stage(config))
+        return Pipeline.for_config(stages, config, instruments, TRANSFORMERS, self.target.bounds)
 
     def run(
-        self, model: torch.nn.Module, inputs: Any, config: Any = None, instruments: tuple[Instrument, ...] = ()
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        config: Any = None,
+        instruments: Sequence[Instrument] = (),
+        *,
+        shared: Captured | None = None,
     ) -> PipelineResult:
-        """Export and return the whole :class:`PipelineResult` (program, per-step records, report)."""
+        """Export and return the whole :class:`PipelineResult` (program, per-step records, report).
+        ``shared``: lower this capture (see :func:`run_targets`) instead of capturing again."""
         config = self._check_config(config)
-        return self.build_pipeline(config, instruments).run(model, inputs, config)
+        result = self.build_pipeline(config, tuple(instruments)).run(model, inputs, config, shared=shared)
+        result.target = self.export_format
+        return result
 
     def export(self, model: torch.nn.Module, inputs: Any, config: Any = None) -> Any:
         """Export ``model(**inputs)`` and return the backend's program. The model and the inputs
@@ -110,22 +120,98 @@ class HfExporter:
         ``dump_dir``, each component dumps into its own subfolder. A failing component raises
         :class:`~hfexport.HfExportError` naming it.
         """
-        from hfexport.pipeline.generation import decompose_for_generation
+        if isinstance(config, dict):
+            config = {name: self._check_config(c) for name, c in config.items()}
+        else:
+            config = self._check_config(config)
+        results = run_for_generation(model, inputs, [config], generation_config, multi_token_decode)
+        return {name: by_target[self.export_format].program for name, by_target in results.items()}
 
-        components = decompose_for_generation(model, inputs, generation_config, multi_token_decode)
-        programs = {}
-        for name, (module, kwargs) in components.items():
-            component_config = config.get(name) if isinstance(config, dict) else config
-            component_config = copy.deepcopy(self._check_config(component_config))
-            if component_config.dump_dir:
-                component_config.dump_dir = str(Path(component_config.dump_dir) / name)
-            try:
-                programs[name] = self.export(module, kwargs, component_config)
-            except HfExportError as error:
-                raise type(error)(f"component {name!r}: {error}") from error
-            except Exception as error:
-                raise HfExportError(f"component {name!r} failed: {type(error).__name__}: {error}") from error
-        return programs
+
+CAPTURE_FIELDS = ("dynamic", "dynamic_shapes", "strict", "prefer_deferred_runtime_asserts_over_guards")
+
+
+def run_targets(
+    model: torch.nn.Module, inputs: Any, configs: Sequence[Any], instruments: Sequence[Instrument] = ()
+) -> dict[str, PipelineResult]:
+    """Export ``model(**inputs)`` to several targets from **one** capture: ``{export_format: result}``.
+
+    ``configs`` holds one config per target (``[OnnxConfig(dynamic=True), ExecutorchConfig(dynamic=True)]``);
+    they must agree on what capture uses (``dynamic``, ``dynamic_shapes``, ``strict``,
+    ``prefer_deferred_runtime_asserts_over_guards``). When a target needs bounded dynamic axes
+    (ExecuTorch's memory planning), the one capture is made with the bounds and every target gets
+    them; each report says so. Every target lowers its own copy of the captured graph.
+    """
+    from hfexport.auto import AutoHfExporter
+
+    if not configs:
+        raise ConfigError("run_targets needs at least one config")
+    formats = [getattr(c, "export_format", None) for c in configs]
+    if len(set(formats)) != len(formats):
+        raise ConfigError(f"one config per target: {formats} names a target twice")
+    exporters = [AutoHfExporter.from_config(c) for c in configs]
+    if len(configs) == 1:
+        return {formats[0]: exporters[0].run(model, inputs, configs[0], instruments)}
+    for field in CAPTURE_FIELDS:
+        values = {f: _encode_dim(getattr(c, field)) for f, c in zip(formats, configs, strict=True)}
+        if len({repr(v) for v in values.values()}) > 1:
+            raise ConfigError(
+                f"one capture feeds every target, so their configs must agree on {field!r}; got "
+                + ", ".join(f"{f}: {v!r}" for f, v in values.items())
+            )
+    bounds: AxisBounds | None = None
+    for exporter, config in zip(exporters, configs, strict=True):
+        needed = exporter.target.bounds(model, config)
+        bounds = needed.tightest(bounds) if needed is not None else bounds
+    capture_only = Pipeline([], instruments, TRANSFORMERS)
+    captured = capture_only.run(model, inputs, configs[0], bounds=bounds).captured
+    captured = dataclasses.replace(captured, shared_by=tuple(formats))
+    results = {}
+    for fmt, exporter, config in zip(formats, exporters, configs, strict=True):
+        results[fmt] = exporter.run(model, inputs, config, instruments, shared=captured)
+    return results
+
+
+def export_targets(model: torch.nn.Module, inputs: Any, configs: Sequence[Any]) -> dict[str, Any]:
+    """:func:`run_targets`, returning just the programs: ``{export_format: program}``."""
+    return {fmt: result.program for fmt, result in run_targets(model, inputs, configs).items()}
+
+
+def run_for_generation(
+    model: torch.nn.Module,
+    inputs: Any,
+    configs: Sequence[Any],
+    generation_config: Any = None,
+    multi_token_decode: bool = False,
+    instruments: Sequence[Instrument] = (),
+) -> dict[str, dict[str, PipelineResult]]:
+    """Export each component of ``model``'s generation loop to each target of ``configs`` (each a
+    config, or ``{component: config}``), one capture per component: ``{component: {export_format:
+    result}}``. With a ``dump_dir``, each component dumps into its own subfolder. A failing component
+    raises :class:`~hfexport.HfExportError` naming it."""
+    from hfexport.models.generation import decompose_for_generation
+
+    components = decompose_for_generation(model, inputs, generation_config, multi_token_decode)
+    results = {}
+    for name, (module, kwargs) in components.items():
+        component_configs = []
+        for config in configs:
+            if isinstance(config, dict) and name not in config:
+                raise ConfigError(
+                    f"the per-component config dict has no entry for component {name!r}; "
+                    f"give one for each of: {', '.join(components)}"
+                )
+            config = copy.deepcopy(config[name] if isinstance(config, dict) else config)
+            if config.dump_dir:
+                config.dump_dir = str(Path(config.dump_dir) / name)
+            component_configs.append(config)
+        try:
+            results[name] = run_targets(module, kwargs, component_configs, instruments)
+        except HfExportError as error:
+            raise type(error)(f"component {name!r}: {error}") from error
+        except Exception as error:
+            raise HfExportError(f"component {name!r} failed: {type(error).__name__}: {error}") from error
+    return results
 
 
 CLEANUP_PASSES = ("remove_tensor_metadata_asserts", "remove_noop_conversions", "mark_cache_mutations")
@@ -161,15 +247,6 @@ class OnnxExporter(HfExporter):
             passes.remove("onnx_optimizer")
         return passes
 
-    def lowering_stages(self, config: OnnxConfig) -> list[Stage | str]:
-        from hfexport.lowering.onnx import to_onnx
-        from hfexport.pipeline.windowed_cache import attention_windows
-
-        def lower(program: torch.export.ExportedProgram, run: PipelineRun) -> Any:
-            return to_onnx(program, config.opset_version, run.input_axes, attention_windows(run.inputs))
-
-        return [TransformStage("to_onnx", lower), "onnx_passes"]
-
 
 class ExecutorchExporter(HfExporter):
     """Export to an ExecuTorch ``ExecutorchProgramManager`` (XNNPACK-delegated by default):
@@ -187,22 +264,3 @@ class ExecutorchExporter(HfExporter):
         "explicit_contiguous_copies",
         "dead_code_elimination",
     )
-
-    def capture_stage(self, config: ExecutorchConfig) -> CaptureStage:
-        from hfexport.lowering.executorch import BoundedCaptureStage
-
-        return BoundedCaptureStage()
-
-    def lowering_stages(self, config: ExecutorchConfig) -> list[Stage | str]:
-        from hfexport.lowering import executorch
-        from hfexport.pipeline.windowed_cache import attention_windows
-
-        def to_executorch(edge: Any, run: PipelineRun) -> Any:
-            return executorch.to_executorch(edge, config, run.input_axes, attention_windows(run.inputs))
-
-        partitioners = executorch.partitioners(config.backend)
-        return [
-            TransformStage("to_edge", lambda program, run: executorch.to_edge(program, partitioners)),
-            TransformStage("delegate", lambda edge, run: executorch.delegate(edge, partitioners, run)),
-            TransformStage("to_executorch", to_executorch),
-        ]

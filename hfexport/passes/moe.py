@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, Node
 
 from hfexport.pipeline.graph_edit import GraphEditor, arguments
-from hfexport.pipeline.pass_manager import graph_pass
+from hfexport.pipeline.rewrite_rules import RewriteRule, rule_pass
 
-logger = logging.getLogger("hfexport")
 aten = torch.ops.aten
 
 
@@ -23,13 +20,30 @@ def _grouped_mm_targets() -> set:
     return targets
 
 
-def _rewrite(graph: torch.fx.Graph, node: Node) -> bool:
+def _is_grouped_mm(node: Node) -> bool:
+    # The target set is rebuilt per node: transformers registers its op when its MoE code is imported.
+    return node.op == "call_function" and node.target in _grouped_mm_targets()
+
+
+def _operands(node: Node) -> tuple[Node, Node, Node | None, dict]:
     args = arguments(node)
-    x, weight, offs = args.get("self", args.get("input")), args.get("mat2", args.get("weight")), args.get("offs")
-    if args.get("out_dtype") is not None or offs is None:
-        return False
+    return args.get("self", args.get("input")), args.get("mat2", args.get("weight")), args.get("offs"), args
+
+
+def _check(node: Node) -> str | None:
+    x, weight, offs, args = _operands(node)
+    if args.get("out_dtype") is not None:
+        return "out_dtype set"
+    if offs is None:
+        return "no offs"
     if x.meta["val"].dim() != 2 or weight.meta["val"].dim() != 3:
-        return False  # only the MoE layout: rows (S, K) sorted by expert, weights (E, K, N)
+        # only the MoE layout: rows (S, K) sorted by expert, weights (E, K, N)
+        return f"{x.meta['val'].dim()}-D input and {weight.meta['val'].dim()}-D weight, not 2-D rows by 3-D experts"
+    return None
+
+
+def _rewrite(graph: Graph, node: Node) -> None:
+    x, weight, offs, args = _operands(node)
     edit = GraphEditor(graph, node)
     num_experts = weight.meta["val"].shape[0]
     # The expert of row r is the number of group ends <= r (offs holds cumulative row counts).
@@ -50,25 +64,21 @@ def _rewrite(graph: torch.fx.Graph, node: Node) -> bool:
     out = edit.call(aten.masked_fill.Scalar, out, edit.call(aten.unsqueeze.default, beyond, 1), 0.0)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
-    return True
 
 
-@graph_pass(runs_before=("dead_code_elimination",))
-def grouped_mm_to_batched_mm(graph_module: GraphModule) -> int:
-    """Rewrite MoE grouped matmuls (aten._grouped_mm / transformers.grouped_mm_fallback) as
+grouped_mm_to_batched_mm = rule_pass(
+    "grouped_mm_to_batched_mm",
+    [RewriteRule("grouped_mm_as_gather_bmm", _is_grouped_mm, _check, _rewrite, warn_on_miss=True)],
+    runs_before=("dead_code_elimination",),
+    description="""Rewrite MoE grouped matmuls (aten._grouped_mm / transformers.grouped_mm_fallback) as
     gather + bmm, which ONNX and XNNPACK can run.
 
     Scaling: each routed row gathers its expert's (K, N) weight and does one (1, K) x (K, N)
     product, so compute is that of the grouped matmul and does not grow with the number of
     experts, while the gathered weights take rows x K x N memory (rows = tokens x top_k): cheap
     for decode, the largest buffer of the layer for long prefills.
-    """
-    targets = _grouped_mm_targets()
-    rewritten = 0
-    for node in list(graph_module.graph.nodes):
-        if node.op == "call_function" and node.target in targets:
-            if _rewrite(graph_module.graph, node):
-                rewritten += 1
-            else:
-                logger.warning("grouped_mm_to_batched_mm: left %s (unsupported layout or out_dtype)", node.name)
-    return rewritten
+
+    A grouped matmul with out_dtype, without offs, or outside the MoE layout (2-D rows sorted by
+    expert, 3-D expert weights) is left as is and counted as missed, with a warning.
+    """,
+)

@@ -1,5 +1,5 @@
 """What the instruments need to know about a program of each kind: its text, its op histogram,
-how to save it, and how to run it. Lowering modules register their program types here."""
+how to save it, and how to run it. Each target registers the program types of its stages here."""
 
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def _ep_run(program: torch.export.ExportedProgram, inputs: dict[str, Any]) -> li
     return flat_tensors(outputs)
 
 
-def _ep_snapshot(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    # The graph is copied, the weights are shared.
+def snapshot_program(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """A copy of the program with its own graph and signature; the weights are shared."""
     import copy
     import warnings
 
@@ -94,5 +94,7 @@ def flat_tensors(outputs: Any) -> list[torch.Tensor]:
 
 register_artifact_kind(
     torch.export.ExportedProgram,
-    ArtifactKind(suffix=".pt2", text=str, histogram=_ep_histogram, save=_ep_save, run=_ep_run, snapshot=_ep_snapshot),
+    ArtifactKind(
+        suffix=".pt2", text=str, histogram=_ep_histogram, save=_ep_save, run=_ep_run, snapshot=snapshot_program
+    ),
 )

@@ -1,18 +1,20 @@
 """Capture: model + sample inputs → ``ExportedProgram``, and the dynamic-shape policy.
 
 Capture never changes the user's model or inputs: inputs are copied, the training flags are
-restored, and the registered patches are applied only around ``torch.export`` and restored on
-every path.
+restored, and the ``"capture"`` patches are applied only around ``torch.export`` and restored on
+every path. It knows no model library: a :class:`Frontend` (``hfexport.models`` for transformers)
+prepares the inputs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
@@ -21,36 +23,21 @@ import torch.utils._pytree as pytree
 from torch.export.dynamic_shapes import _DimHint, _DimHintType
 from torch.utils._sympy.numbers import int_oo
 
-from hfexport.errors import CaptureError, ConfigError, UnsupportedModelError
+from hfexport.errors import CaptureError, ConfigError
 from hfexport.pipeline.patches import patches_applied
-from hfexport.pipeline.pytree import register_cache_pytrees
 
 logger = logging.getLogger("hfexport")
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
 
-
-# transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` and takes the old name
-# through ``**kwargs``; torch.export cannot match dynamic shapes given for a ``**kwargs`` entry, so
-# the old name is passed under the new one.
-_RENAMED_INPUTS = {"past_key_values": "cache"}
-
-
-def normalize_inputs(inputs: Any, model: torch.nn.Module | None = None, renames: bool = False) -> dict[str, Any]:
-    """The model's keyword inputs as a new plain dict (``BatchEncoding`` included), ``None``
-    dropped, and deprecated names renamed when ``forward`` (of ``model``) spells them
-    differently, or always with ``renames=True`` (for programs, whose inputs use the new names)."""
+def as_input_dict(inputs: Any) -> dict[str, Any]:
+    """The keyword inputs as a new plain dict (a tokenizer's ``BatchEncoding`` included), ``None``
+    values dropped; anything but a mapping raises :class:`ConfigError`."""
     if not isinstance(inputs, Mapping):
         raise ConfigError(
             f"inputs must be a mapping of the model's keyword arguments (e.g. a tokenizer's "
             f"BatchEncoding or {{'input_ids': ...}}), got {type(inputs).__name__}"
         )
-    normalized = {str(k): v for k, v in inputs.items() if v is not None}
-    parameters = inspect.signature(model.forward).parameters if model is not None else {}
-    for old, new in _RENAMED_INPUTS.items():
-        if old in normalized and new not in normalized and (renames or (old not in parameters and new in parameters)):
-            normalized[new] = normalized.pop(old)
-    return normalized
+    return {str(k): v for k, v in inputs.items() if v is not None}
 
 
 def copy_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -59,21 +46,17 @@ def copy_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(inputs)
 
 
-def check_attention_implementation(model: torch.nn.Module) -> None:
-    """Raise :class:`UnsupportedModelError` if any (sub)model uses an attention implementation
-    that no exporter can trace (FlashAttention, FlexAttention, paged, kernels from the Hub)."""
-    for name, module in model.named_modules():
-        config = getattr(module, "config", None)
-        implementation = getattr(config, "_attn_implementation", None)
-        if implementation is None or implementation in SUPPORTED_ATTENTION:
-            continue
-        where = f"submodule {name!r} ({type(module).__name__})" if name else type(module).__name__
-        raise UnsupportedModelError(
-            f"{where} uses attn_implementation={implementation!r}, which cannot be exported "
-            f"(FlashAttention and FlexAttention are not traceable). Load the model with "
-            f"attn_implementation='sdpa' (preferred) or 'eager', or call "
-            f"model.set_attn_implementation('sdpa') before exporting."
-        )
+class Frontend:
+    """What capture asks of the model library it captures. This base knows none: inputs are taken
+    as given and carry no attention windows; :mod:`hfexport.models` fills it in for transformers."""
+
+    def prepare(self, model: torch.nn.Module, inputs: Any) -> dict[str, Any]:
+        """Check ``model`` can be captured and return its keyword inputs as a new dict."""
+        return as_input_dict(inputs)
+
+    def attention_windows(self, inputs: dict[str, Any]) -> dict[str, int]:
+        """``{attention mask key: sliding window}`` of the caches in ``inputs``."""
+        return {}
 
 
 @contextlib.contextmanager
@@ -92,6 +75,32 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, flag in flags:
             module.training = flag
+
+
+@dataclass(frozen=True)
+class AxisBounds:
+    """Upper bounds for the dynamic axes a capture would leave unbounded: ``batch`` for axis 0,
+    ``other`` for every other axis; ``source`` says who asked for them and why (logs, reports).
+    Targets that plan memory for the largest shape (ExecuTorch) need them."""
+
+    batch: int
+    other: int
+    source: str
+
+    def __call__(self, axis: int) -> int:
+        return self.batch if axis == 0 else self.other
+
+    def tightest(self, other: AxisBounds | None) -> AxisBounds:
+        """The bounds that satisfy both (the smaller of each)."""
+        if other is None:
+            return self
+        return AxisBounds(min(self.batch, other.batch), min(self.other, other.other), f"{self.source}; {other.source}")
+
+    def counts(self) -> dict[str, int]:
+        return {"max_batch_size": self.batch, "max_seq_len": self.other}
+
+    def describe(self) -> str:
+        return f"unbounded batch axes <= {self.batch}, other unbounded dynamic axes <= {self.other} ({self.source})"
 
 
 AxisBound = Callable[[int], int | None]  # axis index -> upper bound (None: unbounded)
@@ -254,25 +263,51 @@ def _check_no_var_keyword_inputs(model: torch.nn.Module, inputs: dict[str, Any])
             )
 
 
-def capture(
-    model: torch.nn.Module, inputs: Any, config: Any, axis_bound: AxisBound | None = None
-) -> tuple[torch.export.ExportedProgram, list[InputAxis]]:
-    """Trace ``model(**inputs)`` with ``torch.export`` under the registered patches.
+@dataclass(frozen=True)
+class Captured:
+    """What capture produced, as a value every target lowers from: the ``ExportedProgram``, the
+    table of its input axes (dynamic with their ranges, or static), the bounds applied to unbounded
+    dynamic axes (``None``: none), and the sliding windows of windowed static caches in the inputs."""
 
-    ``axis_bound(axis)`` gives unbounded dynamic axes an upper bound (backends that plan memory
-    for the largest shape need one). Returns the program and the input-axes table. Axes the user
+    program: torch.export.ExportedProgram
+    input_axes: list[InputAxis]
+    bounds: AxisBounds | None = None
+    attention_windows: dict[str, int] = field(default_factory=dict)
+    shared_by: tuple[str, ...] = ()  # the targets lowering this one capture, when there are several
+
+    @property
+    def sample_shapes(self) -> dict[str, list[int]]:
+        return sample_shapes(self.input_axes)
+
+    def copy(self) -> Captured:
+        """The same capture with its own graph (weights shared), for one more target to rewrite."""
+        from hfexport.pipeline.artifacts import snapshot_program
+
+        return dataclasses.replace(self, program=snapshot_program(self.program))
+
+
+def capture(
+    model: torch.nn.Module,
+    inputs: Any,
+    config: Any,
+    bounds: AxisBounds | None = None,
+    frontend: Frontend | None = None,
+) -> Captured:
+    """Trace ``model(**inputs)`` with ``torch.export`` under the ``"capture"`` patches.
+
+    ``bounds`` give unbounded dynamic axes an upper bound (targets that plan memory for the
+    largest shape need one). ``frontend`` knows the model library (default: nothing). Axes the user
     asked to be dynamic that torch.export specialised (typically a size-1 sample axis) are logged
-    once each.
+    once each. The model and the inputs are not changed.
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
             f"model must be a torch.nn.Module (a transformers PreTrainedModel), got {type(model).__name__}"
         )
-    check_attention_implementation(model)
-    register_cache_pytrees()
-    inputs = normalize_inputs(inputs, model)
+    frontend = frontend or Frontend()
+    inputs = frontend.prepare(model, inputs)
     if config.dynamic:
-        dynamic_shapes = auto_dynamic_shapes(inputs, axis_bound)
+        dynamic_shapes = auto_dynamic_shapes(inputs, bounds)
     else:
         dynamic_shapes = config.dynamic_shapes
         if isinstance(dynamic_shapes, Mapping):
@@ -283,13 +318,15 @@ def capture(
                     f"inputs are: {', '.join(inputs)}"
                 )
             dynamic_shapes = {name: dynamic_shapes.get(name) for name in inputs}
-        if axis_bound is not None and dynamic_shapes is not None:
-            dynamic_shapes = bound_dynamic_shapes(dynamic_shapes, axis_bound)
+        if bounds is not None and dynamic_shapes is not None:
+            dynamic_shapes = bound_dynamic_shapes(dynamic_shapes, bounds)
     if dynamic_shapes is not None:
         _check_no_var_keyword_inputs(model, inputs)
+    if bounds is not None:
+        logger.info("capture bounds: %s", bounds.describe())
     traced_inputs = copy_inputs(inputs)
     try:
-        with eval_mode(model), patches_applied():
+        with eval_mode(model), patches_applied(scope="capture"):
             program = torch.export.export(
                 model,
                 (),
@@ -318,4 +355,4 @@ def capture(
                 row.axis,
                 row.size,
             )
-    return program, table
+    return Captured(program, table, bounds, frontend.attention_windows(inputs))

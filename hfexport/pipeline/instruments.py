@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from hfexport.errors import VerificationError
+from hfexport.errors import PassError, VerificationError
 from hfexport.pipeline.artifacts import artifact_kind, flat_tensors, node_count
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ class StepRecord:
     max_abs_diff: float | None = None
     modified: bool | None = None
     counts: dict[str, int] = field(default_factory=dict)
-    dump_path: Path | None = None
+    note: str | None = None  # one line for the report's notes column
     error: str | None = None
     files: dict[str, str] = field(default_factory=dict)  # extra dump files: name -> text
     children: list[StepRecord] = field(default_factory=list)
@@ -179,12 +179,13 @@ def max_abs_diff(expected: list[torch.Tensor], actual: list[Any]) -> float:
 
 
 class NumericsInstrument(Instrument):
-    """After capture and after each stage, run the program on the sample inputs and compare its
-    outputs with eager PyTorch; raise :class:`VerificationError` at the first stage over the
-    tolerance (default 1e-4 for fp32, 1e-2 for fp16/bf16)."""
+    """After capture and after each stage (``each_pass``: after each pass too), run the program on
+    the sample inputs and compare its outputs with eager PyTorch; raise :class:`VerificationError`
+    at the first stage (or pass) over the tolerance (default 1e-4 for fp32, 1e-2 for fp16/bf16)."""
 
-    def __init__(self, tolerance: float | None = None) -> None:
+    def __init__(self, tolerance: float | None = None, each_pass: bool = False) -> None:
         self.tolerance = tolerance
+        self.each_pass = each_pass
         self.reference: list[torch.Tensor] = []
         self.inputs: dict[str, Any] = {}
 
@@ -199,7 +200,7 @@ class NumericsInstrument(Instrument):
             self.tolerance = 1e-2 if dtypes & {torch.float16, torch.bfloat16} else 1e-4
 
     def after(self, step: StepRecord, program: Any) -> None:
-        if step.kind != "stage":
+        if step.kind != "stage" and not self.each_pass:
             return
         try:
             runner = artifact_kind(program).run
@@ -209,10 +210,17 @@ class NumericsInstrument(Instrument):
             return
         step.max_abs_diff = max_abs_diff(self.reference, runner(program, self.inputs))
         if step.max_abs_diff > self.tolerance:
+            where = (
+                f"pass {step.name!r} (stage {step.parent.name!r})" if step.kind == "pass" else f"stage {step.name!r}"
+            )
+            hint = (
+                "compare its dumped graph with the previous pass's"
+                if step.kind == "pass"
+                else "rerun with verify='passes' to find the pass, or with dump_dir set to compare the graphs"
+            )
             raise VerificationError(
-                f"stage {step.name!r}: outputs differ from eager PyTorch by max abs {step.max_abs_diff:.3g} "
-                f"(tolerance {self.tolerance:g}); this is the first stage over the tolerance. Rerun with "
-                "dump_dir set and compare this stage's graph with the previous one's."
+                f"{where}: outputs differ from eager PyTorch by max abs {step.max_abs_diff:.3g} "
+                f"(tolerance {self.tolerance:g}); this is the first {step.kind} over the tolerance. {hint}."
             )
 
     def finish(self, run: PipelineRun, error: BaseException | None) -> None:
@@ -241,7 +249,6 @@ class DumpInstrument(Instrument):
         parts = [step.parent.folder, step.folder] if step.parent else [step.folder]
         folder = self.root.joinpath(*parts)
         folder.mkdir(parents=True, exist_ok=True)
-        step.dump_path = folder
         return folder
 
     def before(self, step: StepRecord, program: Any) -> None:
@@ -270,7 +277,13 @@ class DumpInstrument(Instrument):
             kind = artifact_kind(self._pass_input)
             path = folder / f"input{kind.suffix}"
             kind.save(self._pass_input, path)
-            (folder / "repro.txt").write_text(f"hfexport replay {path} --passes {step.name}\n")
+            applied = [child.name for child in step.parent.children[: step.index]] if step.parent else []
+            command = f"hfexport replay {path} --passes {step.name}" + (
+                f" --applied {','.join(applied)}" if applied else ""
+            )
+            (folder / "repro.txt").write_text(command + "\n")
+            if isinstance(error, PassError):
+                error.add_note(f"the pass's input is dumped at {path}; replay just this pass with: {command}")
 
     def finish(self, run: PipelineRun, error: BaseException | None) -> None:
         (self.root / "report.md").write_text(run.report(error))

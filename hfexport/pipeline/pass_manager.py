@@ -109,7 +109,6 @@ def register_pass(
 def get_pass(name: str, *, missing_ok: bool = False) -> Pass | None:
     """The registered pass called ``name``; unknown names raise :class:`ConfigError` listing the
     registered ones."""
-    _load_builtin_passes()
     if name in _REGISTRY:
         return _REGISTRY[name]
     if missing_ok:
@@ -118,13 +117,8 @@ def get_pass(name: str, *, missing_ok: bool = False) -> Pass | None:
 
 
 def registered_passes() -> dict[str, Pass]:
-    """All registered passes by name."""
-    _load_builtin_passes()
+    """All registered passes by name (the built-in ones are registered by ``import hfexport``)."""
     return dict(sorted(_REGISTRY.items()))
-
-
-def _load_builtin_passes() -> None:
-    import hfexport.passes  # noqa: F401  (registers the built-in passes on import)
 
 
 def split_pass_list(items: str | Iterable[str | Pass]) -> list[str | Pass]:
@@ -176,24 +170,41 @@ def check_order(passes: Sequence[Pass]) -> None:
             )
 
 
-def check_signature(program: Any, before: tuple[list[str], int], pass_name: str) -> None:
-    """Raise :class:`PassError` if a pass changed the placeholders or the output count of an
-    ``ExportedProgram``."""
-    after = signature_of(program)
-    if after is not None and after != before:
-        raise PassError(
-            f"pass {pass_name!r} changed the program signature (placeholders {before[0]} -> {after[0]}, "
-            f"outputs {before[1]} -> {after[1]}); a pass must keep inputs and outputs intact"
-        )
-
-
 def signature_of(program: Any) -> tuple[list[str], int] | None:
+    """The placeholder names and the output count of an ``ExportedProgram`` (``None`` for other
+    program types)."""
     graph = getattr(program, "graph", None)
     if graph is None or not hasattr(program, "graph_signature"):
         return None
     placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     return placeholders, len(output.args[0])
+
+
+def execute_pass(pass_: Pass, program: Any, before: Sequence[str] = ()) -> PassResult:
+    """Run one pass with the checks every run gets, in a pipeline or in ``hfexport replay``: it must
+    return a :class:`PassResult` holding a program of the type it was given, with the same
+    placeholders and number of outputs. Any failure is a :class:`PassError` naming the pass and the
+    passes that ran ``before`` it."""
+    signature = signature_of(program)
+    try:
+        result = pass_(program)
+        if not isinstance(result, PassResult):
+            raise TypeError(f"returned {type(result).__name__}, expected a PassResult")
+        if not isinstance(result.program, type(program)):
+            raise TypeError(
+                f"returned a PassResult whose program is a {type(result.program).__name__}, expected a "
+                f"{type(program).__name__} (a pass rewrites a program; changing its type is a stage's job)"
+            )
+        after = signature_of(result.program)
+        if signature is not None and after is not None and after != signature:
+            raise TypeError(
+                f"changed the program signature (placeholders {signature[0]} -> {after[0]}, outputs "
+                f"{signature[1]} -> {after[1]}); a pass must keep inputs and outputs intact"
+            )
+    except Exception as error:
+        raise PassError.of(pass_.name, before, error) from error
+    return result
 
 
 class PassManager:
@@ -230,12 +241,16 @@ class PassManager:
     def check(self) -> None:
         check_order(self.passes)
 
-    def run(self, program: Any, log: Callable[[str], None] | None = None) -> Any:
-        """Run the passes on ``program`` without a pipeline (used by ``hfexport replay``)."""
+    def run(self, program: Any, applied: Sequence[str] = (), log: Callable[[str], None] | None = None) -> Any:
+        """Run the passes on ``program`` outside a pipeline (``hfexport replay``), through the same
+        :func:`execute_pass` as a pipeline run. ``applied`` names the passes that already ran on
+        ``program`` (a dumped pass input), so an error names the same passes before it."""
         self.check()
+        done = list(applied)
         for pass_ in self.passes:
-            result = pass_(program)
+            result = execute_pass(pass_, program, done)
             program = result.program
+            done.append(pass_.name)
             if log:
                 log(f"{pass_.name}: modified={result.modified} {result.counts}")
         return program

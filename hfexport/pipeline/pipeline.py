@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from hfexport.errors import HfExportError, PassError, StageError
-from hfexport.pipeline.capture import AxisBound, InputAxis, capture, normalize_inputs
+from hfexport.errors import HfExportError, StageError
+from hfexport.pipeline.capture import AxisBounds, Captured, Frontend, InputAxis, capture
 from hfexport.pipeline.instruments import (
     DumpInstrument,
     Instrument,
@@ -17,8 +17,7 @@ from hfexport.pipeline.instruments import (
     StepRecord,
     TimingInstrument,
 )
-from hfexport.pipeline.pass_manager import PassManager, PassResult, check_signature, signature_of
-from hfexport.pipeline.pytree import register_cache_pytrees
+from hfexport.pipeline.pass_manager import PassManager, PassResult, execute_pass
 
 
 class Stage:
@@ -31,18 +30,26 @@ class Stage:
 
 
 class CaptureStage(Stage):
-    """model + sample inputs → ``ExportedProgram`` (ignores its program argument)."""
+    """model + sample inputs → :class:`~hfexport.pipeline.capture.Captured` (its program goes on
+    to the next stage). Given a capture shared by several targets, it takes a copy of that one
+    instead of tracing again."""
 
     name = "capture"
 
-    def axis_bound(self, run: PipelineRun) -> AxisBound | None:
-        """Upper bounds for unbounded dynamic axes (none here; backends that plan memory for the
-        largest shape override this)."""
-        return None
+    def __init__(self, frontend: Frontend | None = None) -> None:
+        self.frontend = frontend or Frontend()
 
     def run(self, program: Any, run: PipelineRun) -> torch.export.ExportedProgram:
-        captured, run.input_axes = capture(run.model, run.inputs, run.config, self.axis_bound(run))
-        return captured
+        if run.shared is not None:
+            run.captured = run.shared.copy()
+            run.current.note = (
+                f"a copy of the one capture shared by {', '.join(run.shared.shared_by) or 'several targets'}"
+            )
+        else:
+            run.captured = capture(run.model, run.inputs, run.config, run.bounds, self.frontend)
+        if run.captured.bounds is not None:
+            run.current.counts.update(run.captured.bounds.counts())
+        return run.captured.program
 
 
 class TransformStage(Stage):
@@ -57,7 +64,8 @@ class TransformStage(Stage):
 
 
 class PassStage(Stage):
-    """Run a :class:`PassManager`'s passes in order, each one an instrumented step."""
+    """Run a :class:`PassManager`'s passes in order, each one an instrumented step, each through
+    :func:`~hfexport.pipeline.pass_manager.execute_pass` (as ``hfexport replay`` does)."""
 
     def __init__(self, name: str, manager: PassManager) -> None:
         self.name = name
@@ -69,26 +77,16 @@ class PassStage(Stage):
         for index, pass_ in enumerate(self.manager.passes):
             step = StepRecord(pass_.name, "pass", index, parent=run.current)
             run.current.children.append(step)
-            program = run.step(step, program, lambda p, pass_=pass_, step=step: _apply(pass_, p, step, done))
+
+            def apply(program: Any, pass_: Any = pass_, step: StepRecord = step) -> Any:
+                return _recorded(step, execute_pass(pass_, program, done))
+
+            program = run.step(step, program, apply)
             done.append(pass_.name)
         return program
 
 
-def _apply(pass_: Any, program: Any, step: StepRecord, done: list[str]) -> Any:
-    signature = signature_of(program)
-    try:
-        result = pass_(program)
-        if not isinstance(result, PassResult):
-            raise TypeError(f"returned {type(result).__name__}, expected PassResult")
-        if signature is not None:
-            check_signature(result.program, signature, pass_.name)
-    except Exception as error:
-        if isinstance(error, PassError):
-            raise
-        before = ", ".join(done) or "none"
-        raise PassError(
-            f"pass {pass_.name!r} failed ({type(error).__name__}: {error}); passes before it: {before}"
-        ) from error
+def _recorded(step: StepRecord, result: PassResult) -> Any:
     step.modified = result.modified
     step.counts = dict(result.counts)
     step.files.update(result.files)
@@ -97,15 +95,18 @@ def _apply(pass_: Any, program: Any, step: StepRecord, done: list[str]) -> Any:
 
 @dataclass
 class PipelineRun:
-    """The state of one pipeline run, shared by stages and instruments."""
+    """The state of one pipeline run, shared by stages and instruments. ``captured`` is set by
+    the capture stage; ``bounds`` and ``shared`` are what the run was asked to capture with."""
 
     pipeline: Pipeline
     model: torch.nn.Module
     inputs: dict[str, Any]
     config: Any
     instruments: list[Instrument]
+    bounds: AxisBounds | None = None
+    shared: Captured | None = None
+    captured: Captured | None = None
     records: list[StepRecord] = field(default_factory=list)
-    input_axes: list[InputAxis] = field(default_factory=list)
     current: StepRecord | None = None
 
     def step(self, step: StepRecord, program: Any, fn: Callable[[Any], Any]) -> Any:
@@ -126,14 +127,20 @@ class PipelineRun:
         finally:
             self.current = parent
 
+    @property
+    def input_axes(self) -> list[InputAxis]:
+        return self.captured.input_axes if self.captured else []
+
     def report(self, error: BaseException | None = None) -> str:
-        """A markdown report: the stage/pass table, the input axes, and the error if any."""
+        """A markdown report: the stage/pass table, the input axes, the bounds, and the error if any."""
         lines = [f"# hfexport report: {type(self.model).__name__}", ""]
         lines += [f"Pipeline: `{self.pipeline.describe()}`", "", stage_table(self.records), ""]
         if self.input_axes:
             lines += ["## Input axes", "", "| input | axis | sample size | after capture |", "|---|---|---|---|"]
             lines += [f"| {a.input} | {a.axis} | {a.size} | {a.describe()} |" for a in self.input_axes]
             lines.append("")
+        if self.captured is not None and self.captured.bounds is not None:
+            lines += ["## Bounds applied at capture", "", self.captured.bounds.describe(), ""]
         if error is not None:
             lines += ["## Error", "", "```", f"{type(error).__name__}: {error}", "```", ""]
         return "\n".join(lines)
@@ -153,7 +160,9 @@ def stage_table(records: Sequence[StepRecord]) -> str:
             if record.nodes_out is None
             else f"{record.nodes_in if record.nodes_in is not None else '–'} → {record.nodes_out}"
         )
-        notes = record.error or ", ".join(f"{k}={v}" for k, v in record.counts.items())
+        notes = record.error or ", ".join(
+            [*(f"{k}={v}" for k, v in record.counts.items()), *([record.note] if record.note else [])]
+        )
         if record.modified is False and not record.error:
             notes = notes or "no change"
         rows.append(
@@ -171,12 +180,19 @@ def stage_table(records: Sequence[StepRecord]) -> str:
 @dataclass
 class PipelineResult:
     """The outcome of :meth:`Pipeline.run`: the final program, one :class:`StepRecord` per stage
-    (passes as its children), the input-axes table and the markdown report."""
+    (passes as its children), the :class:`~hfexport.pipeline.capture.Captured` record (its program
+    is the one the passes went on to rewrite) and the markdown report."""
 
     program: Any
     records: list[StepRecord]
-    input_axes: list[InputAxis]
+    captured: Captured | None
     report: str
+    model_name: str = ""
+    target: str = ""  # the registered target that lowered it (set by the exporters)
+
+    @property
+    def input_axes(self) -> list[InputAxis]:
+        return self.captured.input_axes if self.captured else []
 
     def record(self, name: str) -> StepRecord:
         """The record of the stage or pass called ``name`` (``"stage/pass"`` also accepted)."""
@@ -191,14 +207,21 @@ class Pipeline:
     """capture → ``stages`` under ``instruments``.
 
     ``Pipeline.passes`` is the :class:`PassManager` of the first pass stage, so the FX pass list
-    can be edited in code before :meth:`run`.
+    can be edited in code before :meth:`run`. ``frontend`` knows the model library the pipeline
+    captures from (the exporters give it :data:`hfexport.models.TRANSFORMERS`).
     """
 
     def __init__(
-        self, stages: Sequence[Stage], instruments: Sequence[Instrument] = (), capture: CaptureStage | None = None
+        self,
+        stages: Sequence[Stage],
+        instruments: Sequence[Instrument] = (),
+        frontend: Frontend | None = None,
+        bounds: Callable[[torch.nn.Module, Any], AxisBounds | None] | None = None,
     ) -> None:
-        self.stages: list[Stage] = [capture or CaptureStage(), *stages]
+        self.frontend = frontend or Frontend()
+        self.stages: list[Stage] = [CaptureStage(self.frontend), *stages]
         self.instruments: list[Instrument] = list(instruments)
+        self.bounds = bounds  # (model, config) -> the bounds the stages need on unbounded dynamic axes
 
     @classmethod
     def for_config(
@@ -206,15 +229,16 @@ class Pipeline:
         stages: Sequence[Stage],
         config: Any,
         extra: Sequence[Instrument] = (),
-        capture: CaptureStage | None = None,
+        frontend: Frontend | None = None,
+        bounds: Callable[[torch.nn.Module, Any], AxisBounds | None] | None = None,
     ) -> Pipeline:
         """A pipeline with the instruments a config asks for (timing always; dump, numerics)."""
         instruments: list[Instrument] = [TimingInstrument()]
         if config.dump_dir:
             instruments.append(DumpInstrument(config.dump_dir))
         if config.verify:
-            instruments.append(NumericsInstrument(config.tolerance))
-        return cls(stages, [*instruments, *extra], capture)
+            instruments.append(NumericsInstrument(config.tolerance, each_pass=config.verify == "passes"))
+        return cls(stages, [*instruments, *extra], frontend, bounds)
 
     @property
     def passes(self) -> PassManager:
@@ -234,13 +258,26 @@ class Pipeline:
         parts = [f"{s.name}({s.manager})" if isinstance(s, PassStage) else s.name for s in self.stages]
         return " | ".join(parts)
 
-    def run(self, model: torch.nn.Module, inputs: Any, config: Any) -> PipelineResult:
-        """Capture ``model(**inputs)`` and run every stage; see :class:`PipelineResult`."""
+    def run(
+        self,
+        model: torch.nn.Module,
+        inputs: Any,
+        config: Any,
+        *,
+        bounds: AxisBounds | None = None,
+        shared: Captured | None = None,
+    ) -> PipelineResult:
+        """Capture ``model(**inputs)`` (bounding unbounded dynamic axes by ``bounds``, by default the
+        pipeline's own), or take a copy of the ``shared`` capture, and run every stage; see
+        :class:`PipelineResult`."""
+        if bounds is None and shared is None and self.bounds is not None:
+            bounds = self.bounds(model, config)
         for stage in self.stages:
             if isinstance(stage, PassStage):
                 stage.manager.check()  # reject a bad order before spending time on capture
-        register_cache_pytrees()  # before anything flattens a model output (eager reference included)
-        run = PipelineRun(self, model, normalize_inputs(inputs, model), config, self.instruments)
+        run = PipelineRun(
+            self, model, self.frontend.prepare(model, inputs), config, self.instruments, bounds=bounds, shared=shared
+        )
         error: BaseException | None = None
         program = None
         try:
@@ -255,9 +292,9 @@ class Pipeline:
             raise
         except Exception as caught:
             error = caught
-            stage_name = run.records[-1].name if run.records else "setup"
-            raise StageError(f"stage {stage_name!r} failed: {type(caught).__name__}: {caught}") from caught
+            where = f"stage {run.records[-1].name!r}" if run.records else "the eager reference run (verify)"
+            raise StageError(f"{where} failed: {type(caught).__name__}: {caught}") from caught
         finally:
             for instrument in self.instruments:
                 instrument.finish(run, error)
-        return PipelineResult(program, run.records, run.input_axes, run.report())
+        return PipelineResult(program, run.records, run.captured, run.report(), type(model).__name__)

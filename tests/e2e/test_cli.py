@@ -9,7 +9,7 @@ import pytest
 import torch
 from models import build, sample_inputs
 
-from hfexport.runtime import load_exported_program
+from hfexport import load_exported_program
 
 HFEXPORT = [sys.executable, "-m", "hfexport.cli"]
 
@@ -95,7 +95,8 @@ def test_export_executorch(tmp_path):
     result = run(
         "export", "tiny-llama", "--format", "executorch", "--dynamic", "--out", out, "--dump-dir", dumps, "--verify"
     )
-    assert (out / "model.pte").is_file() and (out / "model.pte.json").is_file()
+    assert (out / "model.pte").is_file() and (out / "hfexport.json").is_file()
+    assert not list(out.glob("*.pte.json"))  # the manifest replaced the sidecar
     assert (dumps / "03_delegate" / "delegation.md").is_file()
     assert "| delegate |" in result.stdout
 

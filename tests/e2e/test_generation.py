@@ -11,7 +11,8 @@ from models import build, sample_inputs
 from transformers import GenerationConfig
 
 from hfexport import DynamoConfig, DynamoExporter, decompose_for_generation
-from hfexport.runtime import DynamoDecoder, greedy_decode
+from hfexport.generation import greedy_decode
+from hfexport.targets.dynamo import DynamoDecoder
 
 STATIC = GenerationConfig(cache_implementation="static", max_cache_len=32)
 # tiny-gemma3 alternates sliding-window (window 4) and full attention: 6 + 16 tokens go well past the window
@@ -68,7 +69,7 @@ def test_static_multi_token_decode_generates_the_same_tokens(preset):
 def test_sliding_window_decode_applies_the_window_past_it():
     from transformers import cache_utils
 
-    from hfexport.pipeline.windowed_cache import WindowedStaticLayer
+    from hfexport.models.windowed_cache import WindowedStaticLayer
 
     model = build("tiny-gemma3")
     prompt = sample_inputs(model, 2, 6)
@@ -92,11 +93,11 @@ def test_sliding_window_decode_applies_the_window_past_it():
 
 def test_decode_masks_apply_the_window_and_reject_other_layer_types():
     from hfexport import HfExportError
-    from hfexport.runtime import DecodeMasks
+    from hfexport.generation import DecodeMasks
 
     masks = DecodeMasks(["full_attention", "sliding_attention"], {"sliding_attention": 2})
     valid = torch.tensor([[0, 1, 1, 1, 0]])  # slot 0 is padding, slot 4 not written yet
-    built = masks.by_input_name(valid, torch.tensor([3]))
+    built = masks.by_input_path(valid, torch.tensor([3]))
     assert built["attention_mask.full_attention"][0, 0, 0].tolist() == [False, True, True, True, False]
     assert built["attention_mask.sliding_attention"][0, 0, 0].tolist() == [False, False, True, True, False]
     with pytest.raises(HfExportError, match="chunked_attention"):
@@ -196,18 +197,24 @@ def test_spec_decode_loop_on_a_saved_program(tmp_path):
     assert generated == reference_tokens(model, prompt)[0, 6:].tolist()
 
 
+def export_folder(model, prompt, config, folder):
+    """Export the generation components, save them with their manifest, and open the folder."""
+    from hfexport import ExportFolder, run_for_generation, save_export
+
+    results = run_for_generation(model, prompt, [config], STATIC, multi_token_decode=True)
+    save_export(folder, {name: by_target[config.export_format] for name, by_target in results.items()})
+    return ExportFolder(folder)
+
+
 @pytest.mark.parametrize("preset", DECODER_ONLY)
 def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tmp_path):
-    from hfexport import OnnxConfig, OnnxExporter
-    from hfexport.runtime import OnnxDecoder
+    from hfexport import OnnxConfig
 
     model = build(preset)
     prompt = sample_inputs(model, 2, 6)
-    programs = OnnxExporter().export_for_generation(
-        model, prompt, OnnxConfig(dynamic=True, verify=True), STATIC, multi_token_decode=True
-    )
-    programs["decode"].save(tmp_path / "decode.onnx")
-    decoder = OnnxDecoder(tmp_path / "decode.onnx", batch_size=2)
+    export = export_folder(model, prompt, OnnxConfig(dynamic=True, verify=True), tmp_path)
+    assert set(export.manifest.components) == {"prefill", "decode"}
+    decoder = export.decoder(batch_size=2)
     session_inputs = [i.name for i in decoder.session.get_inputs()]
     session_outputs = [o.name for o in decoder.session.get_outputs()]
     assert "input.cache.layers.0.keys" in session_inputs and "output.cache.layers.0.keys" in session_outputs
@@ -219,16 +226,12 @@ def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tm
 
 @pytest.mark.parametrize("preset", DECODER_ONLY)
 def test_executorch_static_decode_generates_the_same_tokens(preset, tmp_path):
-    from hfexport import ExecutorchConfig, ExecutorchExporter
-    from hfexport.lowering.executorch import save_pte
-    from hfexport.runtime import ExecutorchDecoder
+    from hfexport import ExecutorchConfig
 
     model = build(preset)
     prompt = sample_inputs(model, 2, 6)
-    config = ExecutorchConfig(dynamic=True, verify=True)
-    programs = ExecutorchExporter().export_for_generation(model, prompt, config, STATIC, multi_token_decode=True)
-    save_pte(programs["decode"], tmp_path / "decode.pte")
-    decoder = ExecutorchDecoder(tmp_path / "decode.pte", batch_size=2)
+    export = export_folder(model, prompt, ExecutorchConfig(dynamic=True, verify=True), tmp_path)
+    decoder = export.decoder(batch_size=2)
     tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
     assert torch.equal(tokens, reference_tokens(model, prompt))
 
@@ -360,7 +363,7 @@ def test_qwen2_vl_components_have_an_image_encoder_and_no_separate_projector():
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
 
     from hfexport import ExecutorchConfig, ExecutorchExporter, OnnxConfig, OnnxExporter
-    from hfexport.pipeline.generation import VisionEncoderWithIndices
+    from hfexport.models.vision import VisionEncoderWithIndices
 
     model, inputs = build_qwen2_vl()
     components = decompose_for_generation(model, inputs)

@@ -23,7 +23,7 @@ def test_fully_masked_rows_become_zero_and_others_are_unchanged():
     program = torch.export.export(Attention(), (q, k, v, mask))
     assert count(program, aten.where.ScalarOther) == 0
     result = get_pass("zero_fully_masked_attention_rows")(program)
-    assert result.counts == {"rewritten": 1}
+    assert result.counts == {"rewritten": 1, "missed": 0}
     assert count(result.program, aten.where.ScalarOther) == 1 and count(result.program, aten.any.dim) == 1
     got = result.program.module()(q, k, v, mask)
     torch.testing.assert_close(got, Attention()(q, k, v, mask), atol=1e-6, rtol=0)
@@ -33,4 +33,7 @@ def test_fully_masked_rows_become_zero_and_others_are_unchanged():
 def test_float_masks_are_left_alone():
     q, k, v = (torch.randn(1, 2, 3, 8) for _ in range(3))
     program = torch.export.export(Attention(), (q, k, v, torch.zeros(1, 1, 3, 3)))
-    assert get_pass("zero_fully_masked_attention_rows")(program).counts == {"rewritten": 0}
+    result = get_pass("zero_fully_masked_attention_rows")(program)
+    assert result.counts == {"rewritten": 0, "missed": 1} and not result.modified
+    assert "| missed: mask is not boolean (torch.float32) |" in result.files["rewrites.md"]
+    assert count(result.program, aten.where.ScalarOther) == 0

@@ -53,13 +53,29 @@ def test_rewrite_counts_and_numerics(module_class):
     assert count(program, target) == 1 and count(program, aten.bmm.default) == 0
 
     result = get_pass("grouped_mm_to_batched_mm")(program)
-    assert result.counts == {"rewritten": 1}
+    assert result.counts == {"rewritten": 1, "missed": 0}
     assert count(result.program, target) == 0 and count(result.program, aten.bmm.default) == 1
     for rows_, offs_ in [(6, [2, 2, 6]), (9, [0, 5, 7])]:  # a last group end below the row count too
         x = torch.randn(rows_, 16, dtype=module.dtype)
         offs_ = torch.tensor(offs_, dtype=torch.int32)
         expected = reference(x, module.weight.detach(), offs_)
         torch.testing.assert_close(result.program.module()(x, offs_), expected, atol=2e-2, rtol=1e-2)
+
+
+class BatchedGroupedMM(GroupedMM):
+    def forward(self, x):
+        return torch._grouped_mm(x, self.weight)  # 3-D by 3-D without offs: not the MoE layout
+
+
+def test_grouped_mm_without_offs_is_missed_with_a_warning(hfexport_logs):
+    module = BatchedGroupedMM()
+    program = torch.export.export(module, (torch.randn(3, 4, 16, dtype=module.dtype),))
+    result = get_pass("grouped_mm_to_batched_mm")(program)
+    assert result.counts == {"rewritten": 0, "missed": 1} and not result.modified
+    assert count(result.program, aten._grouped_mm.default) == 1
+    row = "| _grouped_mm | aten._grouped_mm.default | grouped_mm_as_gather_bmm | missed: no offs |"
+    assert row in result.files["rewrites.md"]
+    assert [r.getMessage() for r in hfexport_logs.records] == ["grouped_mm_to_batched_mm: left _grouped_mm (no offs)"]
 
 
 def test_qwen3_moe_matches_eager_after_rewrite():

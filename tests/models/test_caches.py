@@ -5,7 +5,7 @@ import torch.utils._pytree as pytree
 from transformers import DynamicCache, EncoderDecoderCache, StaticCache
 
 from hfexport import register_pytree_node
-from hfexport.pipeline.pytree import register_cache_pytrees
+from hfexport.models.caches import register_cache_pytrees
 
 
 def _filled(cache, layers=2, seq=3):

@@ -2,36 +2,34 @@
 ``ExecutorchProgramManager``, each a named, dumped, timed stage.
 
 ExecuTorch plans memory for the largest allowed shapes, so capture bounds every dynamic axis
-(:class:`BoundedCaptureStage`), and :class:`~hfexport.runtime.ExecutorchRunner` checks inputs
-against those bounds before running.
+(:func:`memory_planning_bounds`), and :class:`~hfexport.targets.executorch.runner.ExecutorchRunner`
+checks inputs against those bounds before running.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch.export.graph_signature import OutputKind
 
 from hfexport.errors import ConfigError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
-from hfexport.pipeline.capture import AxisBound, sample_shapes
-from hfexport.pipeline.io_names import program_io_names, user_input_names
-from hfexport.pipeline.pipeline import CaptureStage, PipelineRun
+from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.pipeline.pipeline import PipelineRun
+from hfexport.targets.manifest import ComponentSpec, OutputSpec, captured_facts, program_inputs, program_outputs
 from hfexport.versions import require_backend
 
 logger = logging.getLogger("hfexport")
 
 
-def memory_planning_bounds(model: torch.nn.Module, config: Any) -> tuple[int, int, str]:
-    """(batch bound, sequence bound, where the sequence bound comes from), by the policy of
-    :class:`~hfexport.ExecutorchConfig`: ``max_seq_len``, else ``max_position_embeddings``."""
+def memory_planning_bounds(model: torch.nn.Module, config: Any) -> AxisBounds:
+    """The bounds ExecuTorch memory planning needs, by the policy of
+    :class:`~hfexport.ExecutorchConfig`: ``max_batch_size`` for axis 0, ``max_seq_len`` for the
+    others, else the model config's ``max_position_embeddings``."""
     if config.max_seq_len is not None:
-        return config.max_batch_size, config.max_seq_len, "ExecutorchConfig.max_seq_len"
+        return AxisBounds(config.max_batch_size, config.max_seq_len, "ExecuTorch memory planning: max_seq_len")
     model_config = getattr(model, "config", None)
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     seq = getattr(text_config, "max_position_embeddings", None)
@@ -40,24 +38,9 @@ def memory_planning_bounds(model: torch.nn.Module, config: Any) -> tuple[int, in
             f"{type(model).__name__}'s config has no max_position_embeddings to bound the dynamic axes for "
             "ExecuTorch memory planning; set ExecutorchConfig(max_seq_len=...) or give Dim(max=...) bounds"
         )
-    return config.max_batch_size, int(seq), "model config max_position_embeddings"
-
-
-class BoundedCaptureStage(CaptureStage):
-    """Capture with every unbounded dynamic axis bounded: axis 0 by ``max_batch_size``, other
-    axes by ``max_seq_len`` / ``max_position_embeddings``. The bounds are logged and recorded."""
-
-    def axis_bound(self, run: PipelineRun) -> AxisBound:
-        batch, seq, source = memory_planning_bounds(run.model, run.config)
-        logger.info(
-            "ExecuTorch memory planning bounds: unbounded batch axes <= %d (max_batch_size), other "
-            "unbounded dynamic axes <= %d (%s)",
-            batch,
-            seq,
-            source,
-        )
-        run.current.counts.update({"max_batch_size": batch, "max_seq_len": seq})
-        return lambda axis: batch if axis == 0 else seq
+    return AxisBounds(
+        config.max_batch_size, int(seq), "ExecuTorch memory planning: model config max_position_embeddings"
+    )
 
 
 def partitioners(backend: str) -> list[Any]:
@@ -131,12 +114,8 @@ def delegation_summary(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
     }
 
 
-def to_executorch(
-    edge: Any, config: Any, input_axes: list[Any] = (), attention_windows: dict[str, int] | None = None
-) -> Any:
-    """Edge → ExecuTorch program, with the config's memory-planning flags. The capture's sample
-    input shapes and the windows of windowed static-cache layers ride along on the manager
-    (``hfexport_sample_shapes``, ``hfexport_attention_windows``) for :func:`save_pte`."""
+def to_executorch(edge: Any, config: Any) -> Any:
+    """Edge → ExecuTorch program, with the config's memory-planning flags."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
 
@@ -145,10 +124,7 @@ def to_executorch(
         alloc_graph_output=config.alloc_graph_output,
         alloc_mutable_buffers=config.alloc_mutable_buffers,
     )
-    program = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
-    program.hfexport_sample_shapes = sample_shapes(list(input_axes))
-    program.hfexport_attention_windows = attention_windows or {}
-    return program
+    return edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
 
 
 # --- artifact kinds --------------------------------------------------------------------------------
@@ -162,42 +138,25 @@ def _edge_histogram(edge: Any) -> collections.Counter:
     return graph_histogram(edge.exported_program().graph)
 
 
-def pte_io_names(program: Any) -> tuple[list[str], list[str]]:
-    """Input and output names of an ExecuTorch program, in its flat order. Outputs that write
-    back an input the program mutates (a static cache) are ``output.<input name>``."""
+def pte_component(program: Any, captured: Captured | None = None) -> ComponentSpec:
+    """The manifest entry of an ExecuTorch program: its tensor inputs by keyword path in the
+    method's order, and its outputs (the write-back of each input it mutates is
+    ``output.<input path>``)."""
     exported = program.exported_program()
-    inputs, user_outputs = program_io_names(exported)
-    name_of = user_input_names(exported)
-    outputs, user_names = [], iter(user_outputs)
-    for spec in exported.graph_signature.output_specs:
-        if spec.kind == OutputKind.USER_INPUT_MUTATION:
-            outputs.append(f"output.{name_of.get(spec.target, spec.target)}")
-        elif spec.kind == OutputKind.USER_OUTPUT:
-            outputs.append(next(user_names))
-    return inputs, outputs
-
-
-def save_pte(program: Any, path: Path) -> None:
-    """Write the ``.pte`` and, next to it, ``<name>.pte.json`` with the input and output names
-    that :class:`~hfexport.runtime.ExecutorchRunner` uses for readable errors and cache write-back."""
-    program.save(str(path))
-    inputs, outputs = pte_io_names(program)
-    sidecar = {
-        "inputs": inputs,
-        "outputs": outputs,
-        "sample_shapes": getattr(program, "hfexport_sample_shapes", {}),
-        "attention_windows": getattr(program, "hfexport_attention_windows", {}),
-    }
-    Path(f"{path}.json").write_text(json.dumps(sidecar, indent=2) + "\n")
+    outputs = [
+        OutputSpec(f"output.{path}" if kind == "write_back" else path, path, kind, written)
+        for path, kind, written in program_outputs(exported)
+    ]
+    return ComponentSpec("", program_inputs(exported, captured), outputs, **captured_facts(captured))
 
 
 def run_pte(program: Any, inputs: dict[str, Any]) -> list[Any]:
     """The program's user outputs (not its cache write-backs) on the ExecuTorch runtime."""
-    from hfexport.runtime import ExecutorchRunner
+    from hfexport.targets.executorch.runner import ExecutorchRunner
 
-    _, names = pte_io_names(program)
-    outputs = ExecutorchRunner(program.buffer).run(inputs)
-    return [o for name, o in zip(names, outputs, strict=True) if not name.startswith("output.")]
+    runner = ExecutorchRunner(program)
+    outputs = runner.run(inputs)
+    return [o for spec, o in zip(runner.spec.outputs, outputs, strict=True) if spec.kind != "write_back"]
 
 
 def _snapshot(edge: Any) -> Any:
@@ -221,7 +180,7 @@ def _register() -> None:
             suffix=".pte",
             text=lambda p: str(p.exported_program()),
             histogram=lambda p: graph_histogram(p.exported_program().graph),
-            save=save_pte,
+            save=lambda program, path: program.save(str(path)),
             run=run_pte,
             snapshot=_snapshot,
         ),

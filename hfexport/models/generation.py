@@ -18,7 +18,10 @@ from typing import Any
 import torch
 
 from hfexport.errors import HfExportError
-from hfexport.pipeline.capture import copy_inputs, eval_mode, normalize_inputs
+from hfexport.models.frontend import normalize_inputs
+from hfexport.models.vision import VISION_INDEX_HELPERS, VisionEncoderWithIndices, recording_vision_indices
+from hfexport.pipeline.capture import copy_inputs, eval_mode
+from hfexport.pipeline.patches import patches_applied
 
 logger = logging.getLogger("hfexport")
 
@@ -33,54 +36,6 @@ _DROPPED_FLAGS = ("logits_to_keep", "use_cache", "return_dict")
 # Where multimodal models keep the module mapping encoder features into the language model's
 # embedding space, when they have one outside the encoder.
 PROJECTOR_NAMES = ("multi_modal_projector", "connector", "embed_vision", "embed_audio")
-
-# transformers.vision_utils helpers that derive a vision encoder's indices from grid_thw with
-# data-dependent ops (.tolist(), repeat_interleave), by the keyword under which the encoder's
-# forward accepts each result precomputed (the helpers pop it from **kwargs). Exported encoders
-# take them as inputs so their graphs only have shapes torch.export can reason about (traced
-# from grid_thw they are unbacked sizes, which ExecuTorch cannot plan memory for;
-# pytorch/pytorch#158786).
-_VISION_INDEX_HELPERS = {"get_vision_position_ids": "position_ids", "get_vision_attention_seqlens": "cu_seqlens"}
-
-
-class VisionEncoderWithIndices(torch.nn.Module):
-    """A vision encoder taking the indices transformers derives from ``grid_thw`` (rotary
-    ``position_ids`` and the per-image boundaries ``cu_seqlens``) as inputs rather than computing
-    them: compute them with ``transformers.vision_utils.get_vision_position_ids`` /
-    ``get_vision_cu_seqlens`` from the same ``grid_thw``. Its outputs are the encoder's."""
-
-    def __init__(self, encoder: torch.nn.Module) -> None:
-        super().__init__()
-        self.encoder = encoder
-        self.train(encoder.training)
-
-    def forward(
-        self, hidden_states: torch.Tensor, grid_thw: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
-    ) -> Any:
-        return self.encoder(hidden_states, grid_thw, position_ids=position_ids, cu_seqlens=cu_seqlens)
-
-
-@contextmanager
-def _recording_vision_indices(module: torch.nn.Module, indices: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Record the first result of each of :data:`_VISION_INDEX_HELPERS` that ``module``'s
-    modeling file calls, by its keyword."""
-    namespace = vars(inspect.getmodule(type(module)))
-    originals = {name: namespace[name] for name in _VISION_INDEX_HELPERS if name in namespace}
-
-    def recorder(name: str) -> Any:
-        def helper(*args: Any, **kwargs: Any) -> Any:
-            result = originals[name](*args, **kwargs)
-            value = result[0] if isinstance(result, tuple) else result  # (cu_seqlens, max_seqlen)
-            indices.setdefault(_VISION_INDEX_HELPERS[name], value.clone())
-            return result
-
-        return helper
-
-    namespace.update({name: recorder(name) for name in originals})
-    try:
-        yield
-    finally:
-        namespace.update(originals)
 
 
 @contextmanager
@@ -183,7 +138,7 @@ def decompose_for_generation(
     :class:`VisionEncoderWithIndices`, which takes them as inputs.
 
     A static cache's sliding-window layers are recorded as full-length
-    :class:`~hfexport.pipeline.windowed_cache.WindowedStaticLayer` s, so one decode graph stays
+    :class:`~hfexport.models.windowed_cache.WindowedStaticLayer` s, so one decode graph stays
     correct before and after the window fills.
 
     With ``multi_token_decode=True`` the decode kwargs cover two merged steps, so the exported
@@ -191,8 +146,6 @@ def decompose_for_generation(
     ``cache_implementation="static"``) is used as given; the caller's copy is not changed.
     """
     from transformers import GenerationConfig
-
-    from hfexport.pipeline.windowed_cache import full_length_sliding_layers
 
     inputs = normalize_inputs(inputs, model)
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
@@ -208,12 +161,13 @@ def decompose_for_generation(
     # model and head): each gets its own hook.
     submodules = _generation_submodules(model)
     sub_calls: dict[str, list[dict[str, Any]]] = {name: [] for name in submodules}
-    vision_indices: dict[str, dict[str, torch.Tensor]] = {name: {} for name in submodules if name.endswith("_encoder")}
-    with eval_mode(model), full_length_sliding_layers(), _recording(model, calls), ExitStack() as hooks:
+    with ExitStack() as scope:
+        scope.enter_context(eval_mode(model))
+        scope.enter_context(patches_applied(scope="generate"))
+        vision_indices = scope.enter_context(recording_vision_indices())
+        scope.enter_context(_recording(model, calls))
         for name, module in submodules.items():
-            hooks.enter_context(_recording(module, sub_calls[name]))
-            if name in vision_indices:
-                hooks.enter_context(_recording_vision_indices(module, vision_indices[name]))
+            scope.enter_context(_recording(module, sub_calls[name]))
         model.generate(**copy_inputs(inputs), generation_config=config)
     if len(calls) < new_tokens:
         raise HfExportError(
@@ -232,8 +186,12 @@ def decompose_for_generation(
                 "are unknown; check that the sample inputs exercise it (e.g. pixel_values for an image encoder)"
             )
         kwargs = _clean(module, sub_calls[name][0])
-        if set(vision_indices.get(name, ())) == set(_VISION_INDEX_HELPERS.values()) and "grid_thw" in kwargs:
-            module, kwargs = VisionEncoderWithIndices(module), {**kwargs, **vision_indices[name]}
+        if (
+            name == "image_encoder"
+            and set(vision_indices) == set(VISION_INDEX_HELPERS.values())
+            and "grid_thw" in kwargs
+        ):
+            module, kwargs = VisionEncoderWithIndices(module), {**kwargs, **vision_indices}
         components[name] = (module, kwargs)
     if "language_model" not in components:  # multimodal prefill = the hooked components
         components["prefill"] = (model, prefill)

@@ -10,7 +10,9 @@ from hfexport import (
     ExecutorchConfig,
     ExecutorchExporter,
     ExecutorchRunner,
+    ExportFolder,
     HfExportError,
+    save_export,
 )
 
 SHAPES = [(2, 8), (3, 13), (1, 5), (2, 80)]
@@ -22,8 +24,8 @@ SHAPES = [(2, 8), (3, 13), (1, 5), (2, 80)]
 def test_executorch_runtime_matches_eager(preset, tmp_path):
     model = build(preset)
     result = ExecutorchExporter().run(model, sample_inputs(model, 2, 8), ExecutorchConfig(dynamic=True))
-    result.program.save(str(tmp_path / "model.pte"))
-    runner = ExecutorchRunner(tmp_path / "model.pte")
+    save_export(tmp_path, {"model": result})
+    runner = ExportFolder(tmp_path).runner()
     for batch, seq in SHAPES:  # 80 is within the bound (max_position_embeddings = 512)
         inputs = sample_inputs(model, batch, seq, seed=batch + seq)
         got = runner.run(inputs)[0]
@@ -69,18 +71,17 @@ def test_spec_explicit_dynamic_shapes_example_and_out_of_bounds_error(tmp_path):
     )
     result = exporter.run(model, inputs, config=config)
     result.program.save(str(tmp_path / "model.pte"))
-    # hfexport's own save writes the names next to the program for readable errors
-    from hfexport.lowering.executorch import save_pte
-
-    save_pte(result.program, tmp_path / "named.pte")
-    runner = ExecutorchRunner(tmp_path / "named.pte")
+    # hfexport's own save writes the manifest next to the program: input names, order and bounds
+    save_export(tmp_path / "named", {"model": result})
+    runner = ExportFolder(tmp_path / "named").runner()
     for shape in [(2, 8), (4, 21)]:
         sample = sample_inputs(model, *shape, seed=5)
         torch.testing.assert_close(runner.run(sample)[0], eager(model, sample).logits, atol=1e-4, rtol=0)
-    with pytest.raises(HfExportError, match="input 'input_ids' axis 1 has size 80, above the program's upper bound 64"):
+    with pytest.raises(HfExportError, match="input 'input_ids' axis 1 has size 80, above the exported upper bound 64"):
         runner.run(sample_inputs(model, 2, 80))
-    with pytest.raises(HfExportError, match="input 0.*axis 1 has size 80, above the program's upper bound 64"):
-        ExecutorchRunner(tmp_path / "model.pte").run(sample_inputs(model, 2, 80))
+    # a bare .pte takes its inputs by position: without the manifest their names are unknown
+    with pytest.raises(HfExportError, match="without hfexport's manifest"):
+        ExecutorchRunner(tmp_path / "model.pte")
     axes = {(a.input, a.axis): a for a in result.input_axes}
     assert axes[("input_ids", 1)].max == 64
 
@@ -91,8 +92,8 @@ def test_unbounded_axes_get_the_documented_bounds():
     axes = {(a.input, a.axis): a for a in result.input_axes}
     assert axes[("input_ids", 0)].max == 32 and axes[("input_ids", 1)].max == 40
     assert "max_seq_len=40" in result.report
-    runner = ExecutorchRunner(result.program.buffer)
-    with pytest.raises(HfExportError, match="axis 1 has size 41, above the program's upper bound 40"):
+    runner = ExecutorchRunner(result.program)
+    with pytest.raises(HfExportError, match="axis 1 has size 41, above the exported upper bound 40"):
         runner.run(sample_inputs(model, 1, 41))
 
 
@@ -124,11 +125,11 @@ def test_memory_planning_flags_reach_the_program():
     model = build("tiny-llama")
     config = ExecutorchConfig(dynamic=True, alloc_graph_input=False, alloc_graph_output=False)
     program = ExecutorchExporter().export(model, sample_inputs(model), config)
-    meta = ExecutorchRunner(program.buffer).method.metadata
+    meta = ExecutorchRunner(program).method.metadata
     assert not meta.input_tensor_meta(0).is_memory_planned()
     assert not meta.output_tensor_meta(0).is_memory_planned()
     default = ExecutorchExporter().export(model, sample_inputs(model), ExecutorchConfig(dynamic=True))
-    assert ExecutorchRunner(default.buffer).method.metadata.input_tensor_meta(0).is_memory_planned()
+    assert ExecutorchRunner(default).method.metadata.input_tensor_meta(0).is_memory_planned()
 
 
 def test_auto_classes_pick_executorch():

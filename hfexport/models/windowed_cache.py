@@ -6,18 +6,17 @@ is silently wrong once it is, and vice versa. :class:`WindowedStaticLayer` inste
 ``max_cache_len`` slots, written at the token's cache position like a full-attention layer; the
 window is applied by the layer type's attention mask alone (``sliding_attention`` rows see the
 last ``sliding_window`` slots), which the model builds from the cache positions at prefill and
-:mod:`hfexport.runtime` builds in its decode loops. The cost: a sliding layer holds
+:mod:`hfexport.generation` builds in its decode loops. The cost: a sliding layer holds
 ``max_cache_len`` tokens instead of ``sliding_window``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-import torch
 from transformers import cache_utils
+
+from hfexport.pipeline.patches import register_patch
 
 # Layer types whose static layer is a window over the sequence (cache_utils.get_layer_types_and_kwargs
 # gives each a ``sliding_window``); chunked attention needs chunk masks and is not covered.
@@ -35,16 +34,19 @@ class WindowedStaticLayer(cache_utils.StaticLayer):
         self.sliding_window = sliding_window
 
 
-@contextmanager
-def full_length_sliding_layers() -> Iterator[None]:
-    """While active, ``StaticCache`` builds :class:`WindowedStaticLayer` for sliding-window layers."""
-    mapping = cache_utils.STATIC_LAYER_TYPE_MAPPING
-    saved = {name: mapping[name] for name in SLIDING_LAYER_TYPES if name in mapping}
-    mapping.update(dict.fromkeys(saved, WindowedStaticLayer))
-    try:
-        yield
-    finally:
-        mapping.update(saved)
+@register_patch(
+    "transformers.cache_utils:STATIC_LAYER_TYPE_MAPPING",
+    name="static_cache_full_length_sliding_layers",
+    scope="generate",
+    reason=(
+        "StaticSlidingWindowLayer picks its update path with a Python int (is the window full?), so a decode "
+        "graph traced on one side of the window is wrong on the other; while generate records the decode "
+        "call, StaticCache builds a WindowedStaticLayer (full length, window applied by the mask) instead"
+    ),
+    upstream="https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers/cache_utils.py",
+)
+def _full_length_sliding_layers(mapping: dict[str, type]) -> dict[str, type]:
+    return {**mapping, **{name: WindowedStaticLayer for name in SLIDING_LAYER_TYPES if name in mapping}}
 
 
 def attention_windows(inputs: Any) -> dict[str, int]:
@@ -58,10 +60,3 @@ def attention_windows(inputs: Any) -> dict[str, int]:
                 if isinstance(layer, WindowedStaticLayer):
                     windows["sliding_attention"] = int(layer.sliding_window)
     return windows
-
-
-def window_mask(mask: torch.Tensor, query_slots: torch.Tensor, window: int) -> torch.Tensor:
-    """``mask`` (``[batch, 1, queries, cache_len]``) restricted to the ``window`` slots ending at
-    each query's slot."""
-    slots = torch.arange(mask.shape[-1])
-    return mask & (slots[None, :] > query_slots[:, None] - window)[None, None]

@@ -14,6 +14,7 @@ from hfexport import (
     OnnxConfig,
     OnnxExporter,
     OnnxRunner,
+    save_export,
 )
 
 SHAPES = [(2, 8), (3, 13), (1, 5), (2, 80)]
@@ -75,8 +76,8 @@ def test_spec_explicit_dynamic_shapes_example_with_padding(tmp_path):
         dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
         prefer_deferred_runtime_asserts_over_guards=True,
     )
-    onnx_program = exporter.export(model, inputs, config=config)
-    onnx_program.save(tmp_path / "model.onnx")
+    result = exporter.run(model, inputs, config=config)
+    save_export(tmp_path, {"model": result})  # the manifest next to model.onnx records the bounds
     runner = OnnxRunner(tmp_path / "model.onnx")
     for shape in [(2, 8), (4, 11)]:
         sample = sample_inputs(model, *shape, seed=3)
@@ -139,9 +140,9 @@ def test_onnx_pass_in_a_dynamo_pipeline_is_rejected():
 
 def test_cache_outputs_have_path_names(tmp_path):
     model = build("tiny-gemma3")
-    program = OnnxExporter().export(model, sample_inputs(model), OnnxConfig(dynamic=True))
-    program.save(tmp_path / "m.onnx")
-    runner = OnnxRunner(tmp_path / "m.onnx")
+    result = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True))
+    save_export(tmp_path, {"model": result})
+    runner = OnnxRunner(tmp_path / "model.onnx")
     assert "cache.layers.1.keys" in runner.output_names
     assert "cache.layers.0.cumulative_length" in runner.scalar_outputs
     assert not any(name.startswith("output_") for name in runner.output_names)

@@ -1,1 +1,0 @@
-"""Lowering stages, one module per target; each imports its backend packages itself."""

@@ -1,0 +1,8 @@
+"""What hfexport knows about transformers: the capture frontend, cache pytrees, the generation
+decomposition, windowed static-cache layers, vision-encoder inputs and the model patches.
+Importing this package registers its patches."""
+
+from hfexport.models import patches, vision, windowed_cache  # noqa: F401  (register their patches)
+from hfexport.models.frontend import TRANSFORMERS, TransformersFrontend
+
+__all__ = ["TRANSFORMERS", "TransformersFrontend"]

@@ -1,0 +1,70 @@
+"""The transformers frontend: what capture needs to know about a transformers model and its inputs.
+
+The pipeline knows no model; the exporters hand it :data:`TRANSFORMERS`, which checks the model's
+attention implementation, registers the cache classes as pytree nodes, renames deprecated input
+names, and reads the sliding windows of windowed static caches in the inputs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from hfexport.errors import UnsupportedModelError
+from hfexport.models.caches import register_cache_pytrees
+from hfexport.models.windowed_cache import attention_windows
+from hfexport.pipeline.capture import Frontend, as_input_dict
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+# transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` and takes the old name
+# through ``**kwargs``; torch.export cannot match dynamic shapes given for a ``**kwargs`` entry, so
+# the old name is passed under the new one.
+_RENAMED_INPUTS = {"past_key_values": "cache"}
+
+
+def normalize_inputs(inputs: Any, model: torch.nn.Module | None = None, renames: bool = False) -> dict[str, Any]:
+    """The model's keyword inputs as a new plain dict (``BatchEncoding`` included), ``None``
+    dropped, and deprecated names renamed when ``forward`` (of ``model``) spells them
+    differently, or always with ``renames=True`` (for programs, whose inputs use the new names)."""
+    normalized = as_input_dict(inputs)
+    parameters = inspect.signature(model.forward).parameters if model is not None else {}
+    for old, new in _RENAMED_INPUTS.items():
+        if old in normalized and new not in normalized and (renames or (old not in parameters and new in parameters)):
+            normalized[new] = normalized.pop(old)
+    return normalized
+
+
+def check_attention_implementation(model: torch.nn.Module) -> None:
+    """Raise :class:`UnsupportedModelError` if any (sub)model uses an attention implementation
+    that no exporter can trace (FlashAttention, FlexAttention, paged, kernels from the Hub)."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation is None or implementation in SUPPORTED_ATTENTION:
+            continue
+        where = f"submodule {name!r} ({type(module).__name__})" if name else type(module).__name__
+        raise UnsupportedModelError(
+            f"{where} uses attn_implementation={implementation!r}, which cannot be exported "
+            f"(FlashAttention and FlexAttention are not traceable). Load the model with "
+            f"attn_implementation='sdpa' (preferred) or 'eager', or call "
+            f"model.set_attn_implementation('sdpa') before exporting."
+        )
+
+
+class TransformersFrontend(Frontend):
+    """:class:`~hfexport.pipeline.capture.Frontend` for transformers models."""
+
+    def prepare(self, model: torch.nn.Module, inputs: Any) -> dict[str, Any]:
+        check_attention_implementation(model)
+        # before anything flattens a model input or output (the eager reference included)
+        register_cache_pytrees()
+        return normalize_inputs(inputs, model)
+
+    def attention_windows(self, inputs: dict[str, Any]) -> dict[str, int]:
+        return attention_windows(inputs)
+
+
+TRANSFORMERS = TransformersFrontend()

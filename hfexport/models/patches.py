@@ -1,0 +1,77 @@
+"""Capture patches: workarounds for upstream bugs that must act before ``torch.export`` runs,
+registered in :mod:`hfexport.pipeline.patches` (scope ``"capture"``) and applied only around it."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hfexport.pipeline.patches import register_patch
+
+
+@register_patch(
+    "torch.nn.functional:scaled_dot_product_attention",
+    name="sdpa_math_backend_on_cpu",
+    reason=(
+        "CPU SDPA's fused kernels check the mask shape with Eq(batch, 1), which fails the trace "
+        "with GuardOnDataDependentSymNode when the batch axis is data-dependent (vision towers "
+        "that select patches with a boolean mask); the math backend has no such check"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/180202",
+)
+def _sdpa_math_backend_on_cpu(original: Callable) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    @functools.wraps(original)
+    def scaled_dot_product_attention(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if query.device.type != "cpu":
+            return original(query, *args, **kwargs)
+        with sdpa_kernel(SDPBackend.MATH):
+            return original(query, *args, **kwargs)
+
+    return scaled_dot_product_attention
+
+
+def segment_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """``[length, length]`` boolean mask letting position ``i`` attend to ``j`` only when both
+    lie in the same segment of the packed sequence ``cu_seqlens`` (``[0, end_0, end_1, …]``)."""
+    positions = torch.arange(length, device=cu_seqlens.device)
+    segment = (positions[:, None] >= cu_seqlens[None, 1:]).sum(-1)
+    return segment[:, None] == segment[None, :]
+
+
+@register_patch(
+    "transformers.models.qwen2_vl.modeling_qwen2_vl:VisionAttention.forward",
+    name="qwen2_vl_vision_attention_as_one_masked_sdpa",
+    reason=(
+        "the vision tower attends within each image by splitting the packed patches with "
+        "cu_seqlens.tolist() and running one attention per image; the split sizes are data-dependent "
+        "and the trace fails (GuardOnDataDependentSymNode). One SDPA over all patches with a "
+        "block-diagonal mask built from cu_seqlens computes the same attention"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/158786",
+)
+def _qwen2_vl_vision_attention(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(
+        self: Any,
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        length = hidden_states.shape[0]
+        # [length, 3 * dim] -> three [length, heads, head_dim]
+        query, key, value = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).unbind(1)
+        cos, sin = position_embeddings
+        query, key = sys.modules[type(self).__module__].apply_rotary_pos_emb_vision(query, key, cos, sin)
+        query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+        mask = segment_mask(cu_seqlens, length)[None, None]
+        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling)
+        return self.proj(output[0].transpose(0, 1).reshape(length, -1))
+
+    return forward

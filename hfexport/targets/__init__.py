@@ -1,0 +1,174 @@
+"""Targets: what hfexport lowers a capture to, one folder each (``dynamo/``, ``onnx/``,
+``executorch/``), each holding its stages, its side of the export folder's manifest, its runner and
+its generation decoder.
+
+The registry maps a target name (a config's ``export_format``) to its :class:`Target` class,
+imported on first use so a target's packages load only when it is asked for. It drives the auto
+classes, the command line (``export --format``, ``generate``) and the benchmarks: registering a
+target makes it usable everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from hfexport.errors import ConfigError, HfExportError
+from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.targets.manifest import MANIFEST, ComponentSpec, Manifest
+
+
+class Target:
+    """A target: subclass it, set the class attributes, and register it with :func:`register_target`.
+
+    ``config_class`` and ``exporter_class`` are ``"module:Class"`` paths (or the classes), the
+    config being a :class:`~hfexport.DynamoConfig` subclass whose ``export_format`` is ``name``.
+    """
+
+    name: ClassVar[str]
+    suffix: ClassVar[str]  # the artifact's file suffix, e.g. ".onnx"
+    config_class: ClassVar[Any]
+    exporter_class: ClassVar[Any]
+
+    def stages(self, config: Any) -> list[Any]:
+        """The stages after the FX passes: :class:`~hfexport.pipeline.pipeline.Stage` objects, and
+        the names of pass stages (which receive the passes whose ``stage`` is that name)."""
+        return []
+
+    def bounds(self, model: torch.nn.Module, config: Any) -> AxisBounds | None:
+        """Upper bounds this target needs on unbounded dynamic axes (``None``: it needs none)."""
+        return None
+
+    def save(self, program: Any, path: Path) -> None:
+        """Write the artifact of ``program`` to ``path``."""
+        raise NotImplementedError
+
+    def component(self, program: Any, captured: Captured | None) -> ComponentSpec:
+        """The manifest entry of ``program`` (its ``file`` is filled in by :func:`save_export`)."""
+        raise NotImplementedError
+
+    def runner(self, path: Path, spec: ComponentSpec) -> Any:
+        """A runner of the saved artifact: ``run(inputs) -> outputs`` with inputs matched by name."""
+        raise HfExportError(f"target {self.name!r} has no runner")
+
+    def decoder(self, folder: Path, manifest: Manifest, batch_size: int) -> Any:
+        """A step function for :func:`hfexport.generation.greedy_decode` over the folder's ``decode``."""
+        raise HfExportError(f"target {self.name!r} has no generation decoder")
+
+    @staticmethod
+    def load_class(path: Any) -> Any:
+        if not isinstance(path, str):
+            return path
+        module, _, name = path.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+TARGETS: dict[str, Any] = {
+    "dynamo": "hfexport.targets.dynamo:DynamoTarget",
+    "onnx": "hfexport.targets.onnx:OnnxTarget",
+    "executorch": "hfexport.targets.executorch:ExecutorchTarget",
+}
+_INSTANCES: dict[str, Target] = {}
+
+
+def register_target(name: str, target: type[Target] | str) -> None:
+    """Register a target class (or its ``"module:Class"`` path) under ``name``."""
+    TARGETS[name] = target
+    _INSTANCES.pop(name, None)
+
+
+def target_names() -> list[str]:
+    return list(TARGETS)
+
+
+def get_target(name: Any) -> Target:
+    """The registered target called ``name``; an unknown name raises :class:`ConfigError`."""
+    if name not in TARGETS:
+        raise ConfigError(f"unknown export_format {name!r}; valid formats: {', '.join(TARGETS)}")
+    if name not in _INSTANCES:
+        _INSTANCES[name] = Target.load_class(TARGETS[name])()
+    return _INSTANCES[name]
+
+
+def save_export(
+    folder: str | Path,
+    results: dict[str, Any],
+    *,
+    generation: dict[str, Any] | None = None,
+) -> Manifest:
+    """Write an export folder: each component's artifact (``<component><suffix>``) and the manifest
+    ``hfexport.json``. ``results`` is ``{component: PipelineResult}``, all of one target.
+
+    Everything is written to a staging folder first and moved in afterwards, the manifest last; an
+    earlier export's manifest is removed before and its artifacts that this one does not replace
+    after, so the folder never holds a manifest describing files it does not have. Other files in
+    ``folder`` (a dump folder, say) are left alone."""
+    targets = {result.target for result in results.values()}
+    if len(targets) != 1:
+        raise HfExportError(f"an export folder holds one target's programs, got {sorted(targets)}")
+    target = get_target(targets.pop())
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise HfExportError(f"--out {folder} is a file; give a folder to write the export into")
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".hfexport-", dir=folder))
+    try:
+        components = {}
+        for name, result in results.items():
+            file = f"{name}{target.suffix}"
+            target.save(result.program, staging / file)
+            spec = target.component(result.program, result.captured)
+            spec.file = file
+            components[name] = spec
+        model = next(iter(results.values())).model_name
+        manifest = Manifest(target.name, components, model=model, generation=generation, versions=_versions())
+        manifest.write(staging)
+        stale = set()
+        if (folder / MANIFEST).is_file():
+            stale = {spec.file for spec in Manifest.read(folder).components.values()}
+            (folder / MANIFEST).unlink()
+        for file in sorted(p.name for p in staging.iterdir() if p.name != MANIFEST):
+            (staging / file).replace(folder / file)
+        for file in stale - {spec.file for spec in components.values()}:
+            (folder / file).unlink(missing_ok=True)
+        (staging / MANIFEST).replace(folder / MANIFEST)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata
+
+    found = {}
+    for package in ("hfexport", "torch", "transformers", "onnx", "onnxscript", "onnxruntime", "executorch"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+class ExportFolder:
+    """A folder written by hfexport: its :class:`Manifest`, and runners and decoders over its
+    programs, built by the target that wrote it."""
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.manifest = Manifest.read(self.folder)
+        self.target = get_target(self.manifest.target)
+
+    def runner(self, component: str = "model") -> Any:
+        """A runner of one component (``model`` for a single-graph export)."""
+        spec = self.manifest.component(component)
+        return self.target.runner(self.folder / spec.file, spec)
+
+    def decoder(self, batch_size: int = 1) -> Any:
+        """The step function of the folder's static-cache ``decode`` for :func:`~hfexport.generation.greedy_decode`."""
+        self.manifest.component("decode")
+        return self.target.decoder(self.folder, self.manifest, batch_size)

@@ -1,0 +1,113 @@
+"""The Dynamo target: the ``ExportedProgram`` itself, saved as ``.pt2``; no lowering stages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hfexport.pipeline.artifacts import flat_tensors
+from hfexport.pipeline.capture import Captured, copy_inputs
+from hfexport.targets import Target
+from hfexport.targets.manifest import (
+    ComponentSpec,
+    Manifest,
+    OutputSpec,
+    captured_facts,
+    program_inputs,
+    program_outputs,
+)
+from hfexport.targets.runner import Runner
+
+
+def load_exported_program(path: str | Path) -> torch.export.ExportedProgram:
+    """``torch.export.load`` after registering what a transformers program's inputs and outputs
+    are made of (``ModelOutput`` classes and the cache classes), so it works in a fresh process."""
+    from hfexport.models.caches import register_cache_pytrees
+
+    register_cache_pytrees()
+    return torch.export.load(path)
+
+
+def program_component(program: torch.export.ExportedProgram, captured: Captured | None) -> ComponentSpec:
+    """The manifest entry of an ``ExportedProgram``: inputs and outputs named by keyword path
+    (``module()`` returns user outputs only; in-place writes land in the caller's inputs)."""
+    outputs = [OutputSpec(path, path, kind) for path, kind, _ in program_outputs(program) if kind != "write_back"]
+    return ComponentSpec("", program_inputs(program, captured), outputs, **captured_facts(captured))
+
+
+class DynamoRunner(Runner):
+    """Runs a saved ``.pt2`` with ``module()``, inputs checked by name against the manifest."""
+
+    def __init__(self, program: torch.export.ExportedProgram, spec: ComponentSpec) -> None:
+        super().__init__(spec)
+        self.module = program.module()
+
+    def run(self, inputs: dict[str, Any]) -> list[torch.Tensor]:
+        """The output tensors, in the program's order."""
+        self.ordered(inputs)
+        from hfexport.models.frontend import normalize_inputs
+
+        with torch.no_grad():
+            return flat_tensors(self.module(**copy_inputs(normalize_inputs(inputs, renames=True))))
+
+
+class DynamoDecoder:
+    """``step`` for :func:`~hfexport.generation.greedy_decode` over an exported decode
+    ``ExportedProgram``: the static cache is a copy of the one in the program's example inputs,
+    reset, resized to the batch, and updated in place by each call."""
+
+    def __init__(self, program: torch.export.ExportedProgram, batch_size: int) -> None:
+        import torch.utils._pytree as pytree
+
+        from hfexport.generation import DecodeMasks
+        from hfexport.models.caches import register_cache_pytrees
+        from hfexport.models.windowed_cache import attention_windows
+
+        register_cache_pytrees()
+        _, example = program.example_inputs
+        mask = example["attention_mask"]
+        self.masks = DecodeMasks(list(mask) if isinstance(mask, dict) else None, attention_windows(example))
+        passed = {"input_ids", "attention_mask", "position_ids", "cache"}
+        self.constants = {k: v for k, v in example.items() if k not in passed}
+        self.cache = pytree.tree_map(
+            lambda t: torch.zeros((batch_size, *t.shape[1:]), dtype=t.dtype) if t.dim() >= 2 else torch.zeros_like(t),
+            example["cache"],
+        )
+        self.max_cache_len = max(t.shape[2] for t in pytree.tree_leaves(self.cache) if t.dim() == 4)
+        self.module = program.module()
+
+    def __call__(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        with torch.no_grad():
+            out = self.module(
+                input_ids=input_ids,
+                attention_mask=self.masks.structured(valid, query_slots),
+                position_ids=position_ids,
+                cache=self.cache,
+                **self.constants,
+            )
+        return out.logits
+
+
+class DynamoTarget(Target):
+    """``ExportedProgram`` → ``.pt2``; run with ``module()`` or :class:`DynamoRunner`."""
+
+    name = "dynamo"
+    suffix = ".pt2"
+    config_class = "hfexport.configs:DynamoConfig"
+    exporter_class = "hfexport.exporters:DynamoExporter"
+
+    def save(self, program: torch.export.ExportedProgram, path: Path) -> None:
+        torch.export.save(program, path)
+
+    def component(self, program: torch.export.ExportedProgram, captured: Captured | None) -> ComponentSpec:
+        return program_component(program, captured)
+
+    def runner(self, path: Path, spec: ComponentSpec) -> DynamoRunner:
+        return DynamoRunner(load_exported_program(path), spec)
+
+    def decoder(self, folder: Path, manifest: Manifest, batch_size: int) -> DynamoDecoder:
+        return DynamoDecoder(load_exported_program(folder / manifest.component("decode").file), batch_size)

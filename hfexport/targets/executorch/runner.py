@@ -1,0 +1,131 @@
+"""Running a saved ExecuTorch program on the ExecuTorch Python runtime, and its static-cache decoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hfexport.errors import HfExportError
+from hfexport.targets.manifest import ComponentSpec, Manifest
+from hfexport.targets.runner import Runner
+
+
+class ExecutorchRunner(Runner):
+    """The ExecuTorch Python runtime over a ``.pte`` file, its bytes, or an in-memory
+    ``ExecutorchProgramManager``, fed with the model's keyword inputs matched by name.
+
+    The method takes its inputs by position; their names and order come from ``spec`` (for a file,
+    the ``hfexport.json`` next to it; for a program manager, the program itself). Each input is
+    checked against the exported ranges and the program's planned (upper-bound) sizes before
+    running, so a bad input raises :class:`~hfexport.HfExportError` naming the input and the axis
+    instead of the runtime's bare error code.
+    """
+
+    def __init__(self, source: str | Path | bytes | Any, spec: ComponentSpec | None = None) -> None:
+        from executorch.runtime import Runtime
+
+        if spec is None:
+            spec = _spec_of(source)
+        data = source.buffer if hasattr(source, "buffer") else source
+        self.program = Runtime.get().load_program(data if isinstance(data, bytes) else str(data))
+        self.method = self.program.load_method("forward")
+        meta = self.method.metadata
+        self.upper_bounds = [tuple(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
+        if len(spec.fed) != len(self.upper_bounds):
+            raise HfExportError(
+                f"the program takes {len(self.upper_bounds)} inputs but its manifest lists {len(spec.fed)} "
+                f"({', '.join(i.name for i in spec.fed)}); export again"
+            )
+        super().__init__(spec)
+
+    def tensors(self, inputs: dict[str, Any]) -> list[Any]:
+        """The method's inputs, in its order, from the model's keyword inputs (checked)."""
+        values = [value for _, value in self.ordered(inputs)]
+        self.check_planned(values)
+        return values
+
+    def check_planned(self, values: list[Any]) -> None:
+        """Raise :class:`HfExportError` if an input exceeds the size the program planned for it."""
+        for spec, value, bounds in zip(self.spec.fed, values, self.upper_bounds, strict=True):
+            shape = tuple(getattr(value, "shape", ()))
+            if len(shape) != len(bounds):
+                raise HfExportError(f"input {spec.name!r} has rank {len(shape)}, the program expects {len(bounds)}")
+            for axis, (size, bound) in enumerate(zip(shape, bounds, strict=True)):
+                if size > bound:
+                    raise HfExportError(
+                        f"input {spec.name!r} axis {axis} has size {size}, above the exported upper bound {bound} "
+                        "(ExecuTorch plans memory for the bounds fixed at export: raise max_seq_len / "
+                        "max_batch_size or the Dim max and export again)"
+                    )
+
+    def run(self, inputs: dict[str, Any]) -> list[Any]:
+        """The program's outputs, in order (write-backs of updated inputs included)."""
+        return list(self.method.execute(self.tensors(inputs)))
+
+
+def _spec_of(source: Any) -> ComponentSpec:
+    if hasattr(source, "exported_program"):
+        from hfexport.targets.executorch.lowering import pte_component
+
+        return pte_component(source)
+    found = None if isinstance(source, bytes) else Manifest.find(source)
+    if found is None:
+        raise HfExportError(
+            "an ExecuTorch program takes its inputs by position, and without hfexport's manifest "
+            "(hfexport.json next to the .pte) their names are unknown; save the export with hfexport "
+            "(`hfexport export ... --out DIR` or hfexport.save_export) or pass the ExecutorchProgramManager"
+        )
+    manifest, component = found
+    return manifest.component(component)
+
+
+class ExecutorchDecoder:
+    """``step`` for :func:`~hfexport.generation.greedy_decode` over an exported static-cache decode
+    ``.pte`` with its manifest (which names the inputs and the write-back of each cache input).
+
+    The Python runtime copies inputs into the method's planned buffers and does not expose
+    binding outputs onto inputs (``Method::set_output_data_ptr`` is C++ only), so each step reads
+    the updated cache back from the write-back outputs.
+    """
+
+    def __init__(self, source: str | Path | Any, batch_size: int, spec: ComponentSpec | None = None) -> None:
+        from hfexport.generation import DecodeMasks
+
+        self.runner = ExecutorchRunner(source, spec)
+        self.spec = self.runner.spec
+        pairs = self.spec.write_backs
+        if not pairs:
+            raise HfExportError("the decode program writes no cache in place; export decode with a static cache")
+        self.cache: dict[str, torch.Tensor] = {}
+        for spec, bounds in zip(self.spec.fed, self.runner.upper_bounds, strict=True):
+            if spec.name in pairs:
+                shape = list(spec.shape or bounds)
+                shape = [batch_size, *shape[1:]] if shape else []
+                self.cache[spec.path] = torch.zeros(shape, dtype=getattr(torch, spec.dtype or "float32"))
+        self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
+        outputs = self.spec.outputs
+        self.written_at = {o.writes: i for i, o in enumerate(outputs) if o.kind == "write_back"}
+        self.logits_index = next(i for i, o in enumerate(outputs) if o.kind == "tensor")
+        self.masks = DecodeMasks.from_input_paths([i.path for i in self.spec.fed], self.spec.attention_windows)
+
+    def __call__(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        fed = {"input_ids": input_ids, "position_ids": position_ids, **self.masks.by_input_path(valid, query_slots)}
+        values = []
+        for spec in self.spec.fed:
+            if spec.path in self.cache:
+                values.append(self.cache[spec.path])
+            elif spec.path in fed:
+                values.append(fed[spec.path])
+            else:
+                raise HfExportError(
+                    f"the decode program takes an input {spec.name!r} this decode loop does not provide"
+                )
+        self.runner.check_planned(values)
+        outputs = self.runner.method.execute(values)
+        for path, index in self.written_at.items():
+            self.cache[path] = outputs[index].clone()
+        return outputs[self.logits_index]

@@ -1,0 +1,177 @@
+"""ONNX lowering: the captured ``ExportedProgram`` → ``torch.onnx.ONNXProgram`` (no second trace).
+
+Inputs and outputs get the names of their keyword paths (``input_ids``, ``logits``,
+``cache.layers.0.keys``), so an ONNX Runtime session is fed with the model's own keyword names. An
+input the program writes in place (a static cache) is ``input.<path>`` and the output carrying its
+new value ``output.<path>``, so a runtime can bind each pair to one buffer; any other output named
+like an input (a dynamic cache returned grown) is ``present.<path>``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+
+from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.io_names import program_io_names
+from hfexport.targets.manifest import ComponentSpec, OutputSpec, captured_facts, program_inputs
+from hfexport.versions import require_backend
+
+ONNX_MODULES = ("onnx", "onnxscript", "onnxruntime")
+
+
+@contextlib.contextmanager
+def _quiet_torch_onnx() -> Iterator[None]:
+    # torch.onnx warns once per missing optional op library (torchvision) on every export.
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        registration.setLevel(level)
+
+
+def _input_name(path: str, written: bool) -> str:
+    return f"input.{path}" if written else path
+
+
+def onnx_component(program: torch.export.ExportedProgram, captured: Captured | None = None) -> ComponentSpec:
+    """The manifest entry of the ONNX model lowered from ``program``: the names :func:`to_onnx`
+    gives its graph inputs and outputs, and what each output is."""
+    inputs = program_inputs(program, captured, _input_name)
+    signature = program.graph_signature
+    path_of = dict(zip(_user_placeholders(program), program_io_names(program)[0], strict=True))
+    written = {
+        s.arg.name: path_of[s.target] for s in signature.output_specs if s.kind == OutputKind.USER_INPUT_MUTATION
+    }
+    taken = {spec.name for spec in inputs}
+    user_outputs = [s for s in signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
+    outputs = []
+    for spec, path in zip(user_outputs, program_io_names(program)[1], strict=True):
+        target = written.get(getattr(spec.arg, "name", None))
+        if target is not None:
+            outputs.append(OutputSpec(f"output.{target}", path, "write_back", target))
+        else:
+            kind = "tensor" if isinstance(spec.arg, TensorArgument) else "scalar"
+            outputs.append(OutputSpec(f"present.{path}" if path in taken else path, path, kind))
+    return ComponentSpec("", inputs, outputs, **captured_facts(captured))
+
+
+def _user_placeholders(program: torch.export.ExportedProgram) -> list[str]:
+    return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+
+
+def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None) -> torch.onnx.ONNXProgram:
+    """Translate an ``ExportedProgram`` to ONNX with torch.onnx (translation only: the optimizer
+    runs as the ``onnx_optimizer`` pass), its inputs and outputs named as :func:`onnx_component` says."""
+    require_backend("onnx", ONNX_MODULES)
+    spec = onnx_component(program)
+    fed = [i for i in spec.inputs if i.constant is None]  # constants (flags) are not ONNX inputs
+    with _quiet_torch_onnx():
+        onnx_program = torch.onnx.export(
+            program,
+            (),
+            dynamo=True,
+            optimize=False,
+            opset_version=opset_version,
+            input_names=[i.path for i in fed],
+            output_names=[o.path for o in spec.outputs],
+            verbose=False,
+        )
+    graph = onnx_program.model.graph
+    for value, name in zip(graph.inputs, [i.name for i in fed], strict=False):
+        value.name = name
+    _name_outputs(onnx_program, [o.name for o in spec.outputs])
+    return onnx_program
+
+
+def _name_outputs(onnx_program: torch.onnx.ONNXProgram, names: list[str]) -> None:
+    """Give every graph output its own value and name. torch.onnx names outputs by renaming their
+    values, so one value returned twice (two cache layers' token counters are the same symbol)
+    keeps only the last name, and an input returned as an output would be renamed; each such
+    output gets an Identity of its own."""
+    import onnx_ir as ir
+
+    from hfexport.errors import StageError
+
+    graph = onnx_program.model.graph
+    outputs = list(graph.outputs)
+    if len(outputs) != len(names):
+        raise StageError(
+            f"torch.onnx produced {len(outputs)} graph outputs for the program's {len(names)} outputs "
+            f"({', '.join(names)}); cannot name them"
+        )
+    # an output that is also a graph input (a model returning an input unchanged) needs its own
+    # value too, or naming it would rename the input
+    seen: set[int] = {id(value) for value in graph.inputs}
+    for index, (value, name) in enumerate(zip(outputs, names, strict=True)):
+        if id(value) in seen:
+            node = ir.Node("", "Identity", inputs=[value], num_outputs=1)
+            graph.append(node)
+            copy = node.outputs[0]
+            copy.shape, copy.type = value.shape, value.type
+            graph.outputs[index] = copy
+            value = copy
+        seen.add(id(value))
+        value.name = name
+
+
+def onnx_text(program: torch.onnx.ONNXProgram) -> str:
+    return str(program.model)
+
+
+def onnx_histogram(program: torch.onnx.ONNXProgram) -> collections.Counter:
+    import onnx_ir as ir
+
+    return collections.Counter(
+        f"{node.domain}::{node.op_type}" if node.domain else node.op_type
+        for node in ir.traversal.RecursiveGraphIterator(program.model.graph)
+    )
+
+
+def save_onnx(program: torch.onnx.ONNXProgram, path: Path) -> None:
+    """Save ``path`` (weights over 2 GB go to external data next to it, as torch.onnx does)."""
+    program.save(str(path))
+
+
+def snapshot_onnx(program: torch.onnx.ONNXProgram) -> torch.onnx.ONNXProgram:
+    import onnx_ir as ir
+
+    model = ir.serde.deserialize_model(ir.serde.serialize_model(program.model))
+    return torch.onnx.ONNXProgram(model, program.exported_program)
+
+
+def run_onnx_program(program: torch.onnx.ONNXProgram, inputs: dict[str, Any]) -> list[Any]:
+    """Save to a temporary file and run it in a real ONNX Runtime session; the tensor outputs,
+    in order."""
+    from hfexport.targets.onnx.runner import OnnxRunner
+
+    spec = onnx_component(program.exported_program)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "model.onnx"
+        save_onnx(program, path)
+        return OnnxRunner(path, spec).run(inputs, tensors_only=True)
+
+
+register_artifact_kind(
+    torch.onnx.ONNXProgram,
+    ArtifactKind(
+        suffix=".onnx",
+        text=onnx_text,
+        histogram=onnx_histogram,
+        save=save_onnx,
+        run=run_onnx_program,
+        snapshot=snapshot_onnx,
+        save_each_pass=True,
+    ),
+)

@@ -1,0 +1,139 @@
+"""Running a saved ONNX model in a real ONNX Runtime session, and its static-cache decoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hfexport.errors import HfExportError
+from hfexport.targets.manifest import ComponentSpec, InputSpec, Manifest, OutputSpec
+from hfexport.targets.runner import Runner
+
+_ORT_TYPES = {
+    "tensor(float)": torch.float32,
+    "tensor(float16)": torch.float16,
+    "tensor(bfloat16)": torch.bfloat16,
+    "tensor(int64)": torch.int64,
+    "tensor(int32)": torch.int32,
+    "tensor(bool)": torch.bool,
+}
+_NUMPY_TYPES = {
+    torch.float32: np.float32,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.bool: np.bool_,
+}
+
+
+def _session_spec(session: Any) -> ComponentSpec:
+    """What a session alone says about a model saved without a manifest: names, no bounds."""
+    inputs = [InputSpec(i.name, i.name) for i in session.get_inputs()]
+    return ComponentSpec("", inputs, [OutputSpec(o.name, o.name) for o in session.get_outputs()])
+
+
+class OnnxRunner(Runner):
+    """A real ONNX Runtime session over a saved ``.onnx`` file, fed with the model's keyword
+    inputs (tensors, or caches flattened to ``cache.layers.0.keys`` …) matched by name.
+
+    ``spec`` is the component's manifest entry; by default it is read from the ``hfexport.json``
+    next to the file. A model saved without one (``onnx_program.save``) runs with its session's
+    names and without the exported bounds.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        spec: ComponentSpec | None = None,
+        providers: tuple[str, ...] = ("CPUExecutionProvider",),
+    ) -> None:
+        import onnxruntime
+
+        self.session = onnxruntime.InferenceSession(str(path), providers=list(providers))
+        if spec is None:
+            found = Manifest.find(path)
+            spec = found[0].component(found[1]) if found else _session_spec(self.session)
+        names = {i.name for i in self.session.get_inputs()}
+        expected = {i.name for i in spec.fed}
+        if names != expected:
+            raise HfExportError(
+                f"{path} takes inputs {sorted(names)} but its manifest lists {sorted(expected)}; export again"
+            )
+        super().__init__(spec)
+        self.scalar_outputs = {o.name for o in spec.outputs if o.kind == "scalar"}
+
+    def feed(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """``{onnx input name: numpy array}`` from the model's keyword inputs."""
+        return {
+            spec.name: value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+            for spec, value in self.ordered(inputs)
+        }
+
+    def run(self, inputs: dict[str, Any], tensors_only: bool = False) -> list[Any]:
+        """The outputs in the model's order (``tensors_only``: without symbolic-integer outputs)."""
+        outputs = self.session.run(None, self.feed(inputs))
+        names = [o.name for o in self.session.get_outputs()]
+        if tensors_only:
+            outputs = [o for name, o in zip(names, outputs, strict=True) if name not in self.scalar_outputs]
+        return outputs
+
+    def run_dict(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The outputs by name."""
+        names = [o.name for o in self.session.get_outputs()]
+        return dict(zip(names, self.session.run(None, self.feed(inputs)), strict=True))
+
+
+class OnnxDecoder:
+    """``step`` for :func:`~hfexport.generation.greedy_decode` over an exported static-cache decode
+    ``.onnx`` with its manifest.
+
+    The cache buffers are allocated from the manifest's written inputs (the sample's shapes, with
+    the batch axis resized) and each cache input / write-back output pair is bound to one buffer
+    with ONNX Runtime's IO binding, so every step reads and writes the cache in place, with no
+    copies between steps.
+    """
+
+    def __init__(self, path: str | Path, batch_size: int, spec: ComponentSpec | None = None) -> None:
+        from hfexport.generation import DecodeMasks
+
+        runner = OnnxRunner(path, spec)
+        self.session, self.spec = runner.session, runner.spec
+        types = {i.name: i.type for i in self.session.get_inputs()}
+        pairs = self.spec.write_backs
+        if not pairs:
+            raise HfExportError(f"{path} writes no cache in place; export decode with a static cache")
+        self.cache: dict[str, torch.Tensor] = {}
+        self.outputs: dict[str, str] = {}
+        for spec in self.spec.fed:
+            if spec.name in pairs:
+                shape = [batch_size, *spec.shape[1:]] if spec.shape else []  # scalars (token counters) have no axes
+                self.cache[spec.path] = torch.zeros(shape, dtype=_ORT_TYPES[types[spec.name]])
+                self.outputs[spec.path] = pairs[spec.name]
+        self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
+        self.logits_name = next(o.name for o in self.spec.outputs if o.kind == "tensor")
+        self.masks = DecodeMasks.from_input_paths([i.path for i in self.spec.fed], self.spec.attention_windows)
+        self.input_name = {spec.path: spec.name for spec in self.spec.fed}
+        self.binding = self.session.io_binding()
+        for path, buffer in self.cache.items():
+            self._bind(self.binding.bind_input, self.input_name[path], buffer)
+            self._bind(self.binding.bind_output, self.outputs[path], buffer)
+
+    @staticmethod
+    def _bind(bind: Any, name: str, tensor: torch.Tensor) -> None:
+        bind(name, "cpu", 0, _NUMPY_TYPES[tensor.dtype], list(tensor.shape), tensor.data_ptr())
+
+    def __call__(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        feed = {"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous()}
+        feed.update(self.masks.by_input_path(valid, query_slots))
+        for path, tensor in feed.items():
+            self._bind(self.binding.bind_input, self.input_name[path], tensor)
+        self.binding.bind_output(self.logits_name, "cpu")  # allocated by ORT: its shape varies
+        self.session.run_with_iobinding(self.binding)
+        # outputs come in binding order: the cache pairs first, the logits last
+        logits = self.binding.get_outputs()[-1].numpy()
+        return torch.from_numpy(logits.copy())

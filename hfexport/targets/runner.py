@@ -1,0 +1,90 @@
+"""Feeding a saved program by name: what every target's runner shares.
+
+A caller passes the model's keyword inputs (tensors, caches); they are flattened to their keyword
+paths (``cache.layers.0.keys``) and matched by name against the component's
+:class:`~hfexport.targets.manifest.InputSpec` list, whatever the dict's order. A missing or an
+unknown input, a wrong rank, a size other than the exported one on a static axis, or a size outside
+a dynamic axis's exported range is an :class:`~hfexport.HfExportError` naming the input and the axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from hfexport.errors import HfExportError
+from hfexport.pipeline.io_names import path_name
+from hfexport.targets.manifest import ComponentSpec, InputSpec
+
+
+def flat_inputs(inputs: Any) -> dict[str, Any]:
+    """``{keyword path: leaf}`` of the model's keyword inputs (caches flattened)."""
+    from hfexport.models.caches import register_cache_pytrees
+    from hfexport.models.frontend import normalize_inputs
+
+    register_cache_pytrees()
+    leaves = pytree.tree_flatten_with_path(normalize_inputs(inputs, renames=True))[0]
+    return {path_name(path): leaf for path, leaf in leaves}
+
+
+class Runner:
+    """Base of the targets' runners: matches inputs by name against ``spec``."""
+
+    def __init__(self, spec: ComponentSpec) -> None:
+        self.spec = spec
+
+    @property
+    def input_names(self) -> list[str]:
+        return [i.name for i in self.spec.fed]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [o.name for o in self.spec.outputs]
+
+    def ordered(self, inputs: Any) -> list[tuple[InputSpec, Any]]:
+        """``(spec, value)`` for every fed input, in the program's order, each checked."""
+        flat = flat_inputs(inputs)
+        known = {i.path for i in self.spec.inputs}
+        unknown = [path for path in flat if path not in known]
+        if unknown:
+            raise HfExportError(
+                f"unknown input(s) {unknown}: the program takes {', '.join(self.input_names)}. "
+                "Pass the same keyword inputs (and cache structure) as the export sample."
+            )
+        missing = [i.path for i in self.spec.fed if i.path not in flat]
+        if missing:
+            raise HfExportError(
+                f"missing input(s) {missing}: the program takes {', '.join(self.input_names)}. "
+                "Pass the same keyword inputs (and cache structure) as the export sample."
+            )
+        ordered = []
+        for spec in self.spec.fed:
+            value = flat[spec.path]
+            check_input(spec, value)
+            ordered.append((spec, value))
+        return ordered
+
+
+def check_input(spec: InputSpec, value: Any) -> None:
+    """Raise :class:`HfExportError` if ``value`` does not fit ``spec`` (rank, static sizes, bounds)."""
+    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(getattr(value, "shape", ()))
+    if not spec.shape and not spec.dynamic:
+        return  # a scalar, or nothing recorded about its shape
+    if len(shape) != len(spec.shape):
+        raise HfExportError(f"input {spec.name!r} has rank {len(shape)}, the program expects {len(spec.shape)}")
+    for axis, (size, sample) in enumerate(zip(shape, spec.shape, strict=True)):
+        if axis not in spec.dynamic:
+            if size != sample:
+                raise HfExportError(
+                    f"input {spec.name!r} axis {axis} has size {size}, but the program was exported with a static "
+                    f"size {sample} on this axis; export with dynamic=True or dynamic_shapes covering it"
+                )
+            continue
+        high = spec.dynamic[axis][1]
+        if high is not None and size > high:
+            raise HfExportError(
+                f"input {spec.name!r} axis {axis} has size {size}, above the exported upper bound {high} "
+                "(raise the bound (Dim max, or ExecutorchConfig max_seq_len / max_batch_size) and export again)"
+            )
