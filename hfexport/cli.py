@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--format",
         default="dynamo",
-        help=f"the target, or several comma-separated, all from one capture ({', '.join(target_names())}; default: dynamo)",
+        help=f"the target, or several comma-separated from one capture ({', '.join(target_names())}; default dynamo)",
     )
     export.add_argument(
         "--out", required=True, help="output folder (the artifact and hfexport.json; one sub-folder per target)"

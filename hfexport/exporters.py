@@ -19,7 +19,7 @@ from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig, _encode
 from hfexport.errors import ConfigError, HfExportError
 from hfexport.models import TRANSFORMERS
 from hfexport.pipeline.capture import AxisBounds, Captured
-from hfexport.pipeline.instruments import Instrument
+from hfexport.pipeline.instruments import Instrument, TimingInstrument
 from hfexport.pipeline.pass_manager import PassManager, resolve_passes
 from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult, Stage
 from hfexport.targets import Target, get_target
@@ -163,7 +163,7 @@ def run_targets(
     for exporter, config in zip(exporters, configs, strict=True):
         needed = exporter.target.bounds(model, config)
         bounds = needed.tightest(bounds) if needed is not None else bounds
-    capture_only = Pipeline([], instruments, TRANSFORMERS)
+    capture_only = Pipeline([], [TimingInstrument(), *instruments], TRANSFORMERS)
     captured = capture_only.run(model, inputs, configs[0], bounds=bounds).captured
     captured = dataclasses.replace(captured, shared_by=tuple(formats))
     results = {}

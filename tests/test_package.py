@@ -68,3 +68,102 @@ def test_version_drift_warns_once(monkeypatch, caplog):
 
 def test_installed_stack_has_no_drift():
     assert versions.version_drift() == []
+
+
+def _imports(path: Path) -> list[str]:
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+    return found
+
+
+FORBIDDEN_IN_PIPELINE = ("transformers", "hfexport.passes", "hfexport.targets", "hfexport.models", "hfexport.exporters")
+
+
+def test_pipeline_knows_no_model_no_pass_and_no_target():
+    files = sorted((PACKAGE / "pipeline").glob("*.py"))
+    assert len(files) >= 8
+    offenders = {
+        f"{path.name}: {name}"
+        for path in files
+        for name in _imports(path)
+        if name.startswith(FORBIDDEN_IN_PIPELINE) or name.split(".")[0] in BACKENDS
+    }
+    assert offenders == set()
+
+
+def test_every_attribute_patch_goes_through_the_registry():
+    import ast
+
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "pipeline" / "patches.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            function = node.func
+            if isinstance(function, ast.Name) and function.id in ("setattr", "delattr"):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {function.id}")
+            # vars(module).update(...) / vars(module)[name] = ... rebinding another module's names
+            if isinstance(function, ast.Attribute) and function.attr == "update":
+                owner = function.value
+                if isinstance(owner, ast.Call) and getattr(owner.func, "id", None) == "vars":
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} vars(...).update")
+    assert offenders == []
+
+
+def _patched_state():
+    from hfexport import PATCHES
+
+    state = {}
+    for patch in PATCHES.values():
+        for owner, attribute in patch.owners():
+            state[patch.name, getattr(owner, "__name__", repr(owner))] = getattr(owner, attribute)
+    return state
+
+
+def test_every_registered_patch_is_restored_after_a_failing_capture_and_decomposition(monkeypatch):
+    import pytest
+    import transformers.models.qwen2_vl.modeling_qwen2_vl  # noqa: F401  (a target of the vision patches)
+
+    from hfexport import PATCHES, CaptureError, DynamoExporter, HfExportError, decompose_for_generation
+    from hfexport.presets import PRESETS, sample_inputs
+
+    scopes = {patch.scope for patch in PATCHES.values()}
+    assert scopes == {"capture", "generate"}
+    before = _patched_state()
+    assert {name for name, _ in before} == set(PATCHES)  # every patch has at least one target here
+    seen: dict = {}
+
+    def failing_export(*args, **kwargs):
+        seen["capture"] = _patched_state()
+        raise RuntimeError("capture failed on purpose")
+
+    model = PRESETS["tiny-llama"].build()
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.export, "export", failing_export)
+        with pytest.raises(CaptureError, match="capture failed on purpose"):
+            DynamoExporter().export(model, sample_inputs(model))
+    assert _patched_state() == before
+
+    def failing_forward(module, args, kwargs):
+        seen["generate"] = _patched_state()
+        raise RuntimeError("generate failed on purpose")
+
+    handle = model.register_forward_pre_hook(failing_forward, with_kwargs=True)
+    try:
+        with pytest.raises((RuntimeError, HfExportError), match="generate failed on purpose"):
+            decompose_for_generation(model, sample_inputs(model))
+    finally:
+        handle.remove()
+    assert _patched_state() == before
+    # inside each scope, exactly that scope's patches were on
+    for scope, state in seen.items():
+        for key, value in state.items():
+            assert (value is not before[key]) == (PATCHES[key[0]].scope == scope), (scope, key)

@@ -193,7 +193,7 @@ def execute_pass(pass_: Pass, program: Any, before: Sequence[str] = ()) -> PassR
             raise TypeError(f"returned {type(result).__name__}, expected a PassResult")
         if not isinstance(result.program, type(program)):
             raise TypeError(
-                f"returned a PassResult whose program is a {type(result.program).__name__}, expected a "
+                f"returned a PassResult whose program is a {type(result.program).__name__}, expected "
                 f"{type(program).__name__} (a pass rewrites a program; changing its type is a stage's job)"
             )
         after = signature_of(result.program)

@@ -59,6 +59,12 @@ class Runner:
                 f"missing input(s) {missing}: the program takes {', '.join(self.input_names)}. "
                 "Pass the same keyword inputs (and cache structure) as the export sample."
             )
+        for spec in self.spec.inputs:
+            if spec.constant is not None and spec.path in flat and flat[spec.path] != spec.constant:
+                raise HfExportError(
+                    f"input {spec.name!r} was exported as the constant {spec.constant!r}, got {flat[spec.path]!r}; "
+                    "the program cannot take another value: export again with it"
+                )
         ordered = []
         for spec in self.spec.fed:
             value = flat[spec.path]

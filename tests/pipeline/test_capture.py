@@ -9,11 +9,13 @@ from models import build, sample_inputs
 from hfexport import PATCHES, CaptureError, DynamoConfig, DynamoExporter, UnsupportedModelError, patches_applied
 
 
-def _targets():
+def _targets(scope="capture"):
     found = {}
     for patch in PATCHES.values():
-        owner, attribute = patch.owner_and_attribute()
-        found[patch.name] = (vars(owner).get(attribute, None), getattr(owner, attribute))
+        if patch.scope != scope:
+            continue
+        for owner, attribute in patch.owners():
+            found[patch.name, id(owner)] = (vars(owner).get(attribute, None), getattr(owner, attribute))
     return found
 
 

@@ -69,3 +69,23 @@ def test_dumps_keep_inputs_named_after_builtins(tmp_path):
     program = DynamoExporter().export(layer, {"input": torch.randn(2, 8)}, config)
     assert list(program.graph_signature.user_inputs) == ["input"]
     assert (tmp_path / "01_fx_passes" / "00_remove_tensor_metadata_asserts" / "graph.txt").is_file()
+
+
+def test_verify_passes_names_the_pass_that_changed_the_numerics():
+    model = build("tiny-llama")
+    config = DynamoConfig(dynamic=True, verify="passes")
+    pipeline = DynamoExporter().build_pipeline(config)
+    pipeline.passes.insert("dead_code_elimination", AddsBecomeSubs())
+    with pytest.raises(VerificationError, match=r"pass 'adds_become_subs' \(stage 'fx_passes'\).*first pass over"):
+        pipeline.run(model, sample_inputs(model), config)
+    # the passes before it were checked and matched
+    result = DynamoExporter().run(model, sample_inputs(model), config)
+    diffs = [child.max_abs_diff for child in result.record("fx_passes").children]
+    assert diffs and all(d is not None and d <= 1e-4 for d in diffs)
+
+
+def test_verify_takes_true_false_or_passes():
+    from hfexport import ConfigError
+
+    with pytest.raises(ConfigError, match="verify must be True, False or 'passes'"):
+        DynamoConfig(verify="stages!")

@@ -134,3 +134,60 @@ def test_pass_that_breaks_the_signature_is_rejected():
     model = build("tiny-llama")
     with pytest.raises(PassError, match="drop_output.*signature"):
         DynamoExporter().export(model, sample_inputs(model), DynamoConfig(passes=[DropOutput()]))
+
+
+@register_pass(name="explode_registered_test")
+def _explode_registered(program):
+    """Fails on purpose (test)."""
+    raise RuntimeError("boom in a registered pass")
+
+
+def test_replay_raises_the_same_pass_error_as_the_pipeline(tmp_path, capsys):
+    import shlex
+
+    from hfexport.cli import main
+    from hfexport.pipeline.pass_manager import PassManager
+    from hfexport.targets.dynamo import load_exported_program
+
+    model = build("tiny-llama")
+    passes = "remove_tensor_metadata_asserts,remove_noop_conversions,explode_registered_test"
+    with pytest.raises(PassError) as in_pipeline:
+        DynamoExporter().export(model, sample_inputs(model), DynamoConfig(dump_dir=str(tmp_path), passes=passes))
+    error = in_pipeline.value
+    assert error.pass_name == "explode_registered_test"
+    assert error.passes_before == ("remove_tensor_metadata_asserts", "remove_noop_conversions")
+    folder = tmp_path / "01_fx_passes" / "02_explode_registered_test"
+    assert any(str(folder / "input.pt2") in note for note in error.__notes__)  # where its input is dumped
+
+    # the reproducer, from Python and from the command line, fails with the same error
+    repro = shlex.split((folder / "repro.txt").read_text())
+    assert repro[:3] == ["hfexport", "replay", str(folder / "input.pt2")]
+    applied = repro[repro.index("--applied") + 1].split(",")
+    with pytest.raises(PassError) as replayed:
+        PassManager(["explode_registered_test"]).run(load_exported_program(folder / "input.pt2"), applied)
+    assert str(replayed.value) == str(error)
+    assert (replayed.value.pass_name, replayed.value.passes_before, replayed.value.cause) == (
+        error.pass_name,
+        error.passes_before,
+        error.cause,
+    )
+    assert main(repro[1:]) == 2
+    assert f"hfexport: error: {error}" in capsys.readouterr().err
+
+
+class ReturnsAString(Pass):
+    name = "returns_a_string"
+
+    def __call__(self, program):
+        return PassResult("not a program", modified=True)
+
+
+def test_pass_returning_a_non_program_is_named():
+    from hfexport.pipeline.pass_manager import execute_pass
+
+    model = build("tiny-llama")
+    with pytest.raises(PassError, match="pass 'returns_a_string' failed.*program is a str, expected ExportedProgram"):
+        DynamoExporter().export(model, sample_inputs(model), DynamoConfig(passes=[ReturnsAString()]))
+    program = torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
+    with pytest.raises(PassError, match="returns_a_string.*passes before it: a, b"):
+        execute_pass(ReturnsAString(), program, ["a", "b"])

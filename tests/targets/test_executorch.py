@@ -136,3 +136,19 @@ def test_auto_classes_pick_executorch():
     config = AutoExportConfig.from_dict({"export_format": "executorch", "dynamic": True, "max_seq_len": 128})
     assert isinstance(config, ExecutorchConfig) and config.backend == "xnnpack" and config.max_seq_len == 128
     assert isinstance(AutoHfExporter.from_config(config), ExecutorchExporter)
+
+
+def test_runner_feeds_inputs_by_name_whatever_the_dict_order(tmp_path):
+    model = build("tiny-llama")
+    sample = sample_inputs(model, 2, 8)
+    save_export(tmp_path, {"model": ExecutorchExporter().run(model, sample, ExecutorchConfig(dynamic=True))})
+    runner = ExportFolder(tmp_path).runner()
+    inputs = sample_inputs(model, 2, 8, seed=3)
+    inputs["attention_mask"][0, :3] = 0  # padding, so a swapped ids / mask pair would give other numbers
+    reordered = {"attention_mask": inputs["attention_mask"], "input_ids": inputs["input_ids"]}
+    assert list(reordered) != list(sample)
+    torch.testing.assert_close(runner.run(reordered)[0], eager(model, inputs).logits, atol=1e-4, rtol=0)
+    with pytest.raises(HfExportError, match=r"missing input\(s\) \['attention_mask'\]"):
+        runner.run({"input_ids": inputs["input_ids"]})
+    with pytest.raises(HfExportError, match=r"unknown input\(s\) \['token_type_ids'\]"):
+        runner.run({**inputs, "token_type_ids": torch.zeros_like(inputs["input_ids"])})

@@ -157,10 +157,12 @@ def test_constant_inputs_do_not_shift_the_input_names(tmp_path):
         "use_cache": False,
         "attention_mask": sample_inputs(model)["attention_mask"],
     }
-    OnnxExporter().export(model, inputs, OnnxConfig(dynamic=True)).save(tmp_path / "m.onnx")
-    runner = OnnxRunner(tmp_path / "m.onnx")
+    save_export(tmp_path, {"model": OnnxExporter().run(model, inputs, OnnxConfig(dynamic=True))})
+    runner = OnnxRunner(tmp_path / "model.onnx")
     assert sorted(runner.input_names) == ["attention_mask", "input_ids"]
     assert runner.output_names == ["logits"]
     sample = {**sample_inputs(model, 3, 9), "use_cache": False}
     got = torch.from_numpy(runner.run_dict(sample)["logits"])
     torch.testing.assert_close(got, eager(model, sample).logits, atol=1e-4, rtol=0)
+    with pytest.raises(HfExportError, match="'use_cache' was exported as the constant False, got True"):
+        runner.run({**sample, "use_cache": True})
