@@ -5,7 +5,8 @@
 
 For each model size (a tiny random Llama and a mid-size one: hidden 512, 4 layers), exports with
 dynamic=True, prints the stage/pass table (time, peak RSS, node counts), then times eager PyTorch
-and the saved artifact on its real runtime on the same inputs (median of --repeats runs).
+and the saved artifact on its real runtime (the target's runner) on the same inputs (median of
+--repeats runs). Any registered target can be measured.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from hfexport import AutoExportConfig, AutoHfExporter
-from hfexport.pipeline.artifacts import artifact_kind
+from hfexport import AutoExportConfig, AutoHfExporter, ExportFolder, save_export
 from hfexport.pipeline.instruments import StepRecord, measured
 from hfexport.pipeline.pipeline import stage_table
 from hfexport.presets import PRESETS, sample_inputs
+from hfexport.targets import target_names
 
 SIZES = {
     "tiny": {},
@@ -47,26 +48,9 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def runtime_runner(path: Path, export_format: str):
-    if export_format == "onnx":
-        from hfexport.runtime import OnnxRunner
-
-        runner = OnnxRunner(path)
-        return lambda inputs: runner.session.run(None, runner.feed(inputs))
-    if export_format == "executorch":
-        from hfexport.runtime import ExecutorchRunner
-
-        runner = ExecutorchRunner(path)
-        return runner.run
-    from hfexport.runtime import load_exported_program
-
-    module = load_exported_program(path).module()
-    return lambda inputs: module(**inputs)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--format", default="onnx", choices=["dynamo", "onnx", "executorch"])
+    parser.add_argument("--format", default="onnx", choices=target_names())
     parser.add_argument("--sizes", default="tiny,mid")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
@@ -85,12 +69,10 @@ def benchmark(size: str, args: argparse.Namespace) -> None:
     result = AutoHfExporter.from_config(config).run(model, sample_inputs(model), config)
     inputs = sample_inputs(model, args.batch, args.seq, seed=1)
     with tempfile.TemporaryDirectory() as folder:
-        kind = artifact_kind(result.program)
-        path = Path(folder) / f"model{kind.suffix}"
         with measured(StepRecord("serialize", "stage", len(result.records))) as serialize:
-            kind.save(result.program, path)
-        size_mb = path.stat().st_size / 2**20
-        run = runtime_runner(path, args.format)
+            manifest = save_export(folder, {"model": result})
+        size_mb = (Path(folder) / manifest.components["model"].file).stat().st_size / 2**20
+        run = ExportFolder(folder).runner().run
         with torch.no_grad():
             eager_ms = median_ms(lambda: model(**inputs), args.repeats)
             artifact_ms = median_ms(lambda: run(inputs), args.repeats)

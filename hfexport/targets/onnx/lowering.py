@@ -75,8 +75,7 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
     """Translate an ``ExportedProgram`` to ONNX with torch.onnx (translation only: the optimizer
     runs as the ``onnx_optimizer`` pass), its inputs and outputs named as :func:`onnx_component` says."""
     require_backend("onnx", ONNX_MODULES)
-    spec = onnx_component(program)
-    fed = [i for i in spec.inputs if i.constant is None]  # constants (flags) are not ONNX inputs
+    fed = [i.path for i in program_inputs(program, None) if i.constant is None]  # flags are not ONNX inputs
     with _quiet_torch_onnx():
         onnx_program = torch.onnx.export(
             program,
@@ -84,12 +83,22 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
             dynamo=True,
             optimize=False,
             opset_version=opset_version,
-            input_names=[i.path for i in fed],
-            output_names=[o.path for o in spec.outputs],
+            input_names=fed,
+            output_names=program_io_names(program)[1],
             verbose=False,
         )
+    # which inputs are written in place is read off the functionalised program torch.onnx translated
+    spec = onnx_component(onnx_program.exported_program)
     graph = onnx_program.model.graph
-    for value, name in zip(graph.inputs, [i.name for i in fed], strict=False):
+    names = [i.name for i in spec.inputs if i.constant is None]
+    if len(graph.inputs) != len(names):
+        from hfexport.errors import StageError
+
+        raise StageError(
+            f"torch.onnx produced {len(graph.inputs)} graph inputs for the program's {len(names)} inputs "
+            f"({', '.join(names)}); cannot name them"
+        )
+    for value, name in zip(graph.inputs, names, strict=True):
         value.name = name
     _name_outputs(onnx_program, [o.name for o in spec.outputs])
     return onnx_program
