@@ -43,21 +43,9 @@ from hfexport.pipeline.patches import PATCHES, Patch, patches_applied, register_
 from hfexport.pipeline.pipeline import Pipeline, PipelineResult
 from hfexport.targets import ExportFolder, Target, get_target, register_target, save_export
 from hfexport.targets.dynamo import load_exported_program
+from hfexport.targets.executorch.runner import ExecutorchRunner
 from hfexport.targets.manifest import ComponentSpec, Manifest
-
-
-def __getattr__(name: str) -> object:
-    # the runners import their runtime only when asked for
-    if name == "OnnxRunner":
-        from hfexport.targets.onnx.runner import OnnxRunner
-
-        return OnnxRunner
-    if name == "ExecutorchRunner":
-        from hfexport.targets.executorch.runner import ExecutorchRunner
-
-        return ExecutorchRunner
-    raise AttributeError(f"module 'hfexport' has no attribute {name!r}")
-
+from hfexport.targets.onnx.runner import OnnxRunner
 
 __all__ = [
     "PATCHES",

@@ -167,3 +167,19 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
     for scope, state in seen.items():
         for key, value in state.items():
             assert (value is not before[key]) == (PATCHES[key[0]].scope == scope), (scope, key)
+
+
+def test_readme_layout_matches_the_tree():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout") :]
+    block = layout[layout.index("```") + 3 : layout.index("```", layout.index("```") + 3)]
+    named = set(re.findall(r"^\s{2}([a-z_]+(?:/|\.py))", block, re.M))
+    actual = {
+        f"{p.name}/" for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists() or p.name == "pipeline"
+    }
+    actual |= {p.name for p in PACKAGE.glob("*.py") if p.name in {"exporters.py", "generation.py", "cli.py"}}
+    assert actual <= named, f"not described in the README layout: {sorted(actual - named)}"
+    for name in named:
+        assert (PACKAGE / name.rstrip("/")).exists(), f"README layout names {name}, which does not exist"
+    for target in ("dynamo", "onnx", "executorch"):
+        assert (PACKAGE / "targets" / target / "__init__.py").is_file() and f"{target}/" in block

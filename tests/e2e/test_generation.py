@@ -240,14 +240,14 @@ def test_a_failing_component_is_named(monkeypatch):
     from hfexport import HfExportError
 
     model = build("tiny-llama")
-    original = DynamoExporter.export
+    original = DynamoExporter.run
 
-    def fail_on_decode(self, module, kwargs, config=None):
+    def fail_on_decode(self, module, kwargs, config=None, *args, **options):
         if kwargs["input_ids"].shape[1] == 1:
             raise RuntimeError("boom")
-        return original(self, module, kwargs, config)
+        return original(self, module, kwargs, config, *args, **options)
 
-    monkeypatch.setattr(DynamoExporter, "export", fail_on_decode)
+    monkeypatch.setattr(DynamoExporter, "run", fail_on_decode)
     with pytest.raises(HfExportError, match="component 'decode' failed: RuntimeError: boom"):
         DynamoExporter().export_for_generation(model, sample_inputs(model, 2, 6), DynamoConfig(dynamic=True))
 
