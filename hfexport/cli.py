@@ -72,17 +72,13 @@ def _export(args: argparse.Namespace) -> int:
                 print(f"wrote {folder / spec.file}")
         return 0
     results = run_targets(model, inputs, configs, progress)
-    for export_format, result in results.items():
-        manifest = save_export(folders[export_format], {"model": result})
+    for config in configs:
+        folder, result = folders[config.export_format], results[config.export_format]
+        manifest = save_export(folder, {"model": result})
         print(stage_table(result.records))
-        path = folders[export_format] / manifest.components["model"].file
-        dumps = f"; dumps and report.md in {result_dump(configs, export_format)}" if args.dump_dir else ""
-        print(f"\nwrote {path}{dumps}")
+        dumps = f"; dumps and report.md in {config.dump_dir}" if config.dump_dir else ""
+        print(f"\nwrote {folder / manifest.components['model'].file}{dumps}")
     return 0
-
-
-def result_dump(configs: list[Any], export_format: str) -> str:
-    return next(c.dump_dir for c in configs if c.export_format == export_format)
 
 
 def _generate(args: argparse.Namespace) -> int:
