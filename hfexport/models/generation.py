@@ -94,6 +94,19 @@ def _with_prompt_mask(kwargs: dict[str, Any], inputs: dict[str, Any]) -> dict[st
     return {**kwargs, "attention_mask": mask.clone()}
 
 
+def _single_layer_type_mask(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """generate hands some models' decode (Qwen3 with a static cache) a per-layer-type dict of
+    masks even when every layer has the same type; the decode graph then takes the one 4-D mask
+    itself, as the model accepts it and as the spec's decode loop passes it. Models with several
+    layer types (sliding + full) keep the dict."""
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, dict) and len(mask) == 1:
+        (only,) = mask.values()
+        if isinstance(only, torch.Tensor):
+            return {**kwargs, "attention_mask": only}
+    return kwargs
+
+
 def _cat(first: Any, second: Any, dim: int) -> Any:
     if isinstance(first, dict):
         return {k: _cat(first[k], second[k], dim) for k in first}
@@ -177,7 +190,7 @@ def decompose_for_generation(
     decode = merge_decode_steps(calls[1], calls[2]) if multi_token_decode else calls[1]
     # the cache can't always tell its length (SSM caches hold states, not tokens): count it
     prompt_length = prefill["input_ids"].shape[1] if "input_ids" in prefill else 0
-    decode = _with_attention_mask(_clean(model, decode), past=prompt_length)
+    decode = _single_layer_type_mask(_with_attention_mask(_clean(model, decode), past=prompt_length))
     components: Components = {}
     for name, module in submodules.items():
         if not sub_calls[name]:

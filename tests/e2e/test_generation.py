@@ -51,6 +51,15 @@ def test_prefill_takes_the_2d_prompt_mask_with_or_without_padding(padded):
     assert torch.equal(components["prefill"][1]["attention_mask"], prompt["attention_mask"])
 
 
+def test_decode_mask_is_one_tensor_for_one_layer_type_and_a_dict_for_several():
+    qwen3 = build("tiny-qwen3")
+    mask = decompose_for_generation(qwen3, sample_inputs(qwen3, 1, 6), STATIC, True)["decode"][1]["attention_mask"]
+    assert isinstance(mask, torch.Tensor) and mask.dim() == 4
+    gemma3 = build("tiny-gemma3")
+    masks = decompose_for_generation(gemma3, sample_inputs(gemma3, 1, 6), STATIC, True)["decode"][1]["attention_mask"]
+    assert set(masks) == {"full_attention", "sliding_attention"}
+
+
 @pytest.mark.parametrize("preset", DECODER_ONLY[:3])  # tiny-gemma3: test_sliding_window_decode_...
 def test_static_multi_token_decode_generates_the_same_tokens(preset):
     model = build(preset)
@@ -182,8 +191,11 @@ print(torch.cat(generated, 1)[0].tolist())
 """
 
 
-def test_spec_decode_loop_on_a_saved_program(tmp_path):
-    model = build("tiny-llama")
+# Qwen3 (the spec's model family): generate hands its decode a {"full_attention": mask} dict, the
+# spec's loop a 4-D tensor
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_spec_decode_loop_on_a_saved_program(tmp_path, preset):
+    model = build(preset)
     prompt = sample_inputs(model, 1, 6)
     programs = DynamoExporter().export_for_generation(
         model, prompt, DynamoConfig(dynamic=True), STATIC, multi_token_decode=True
