@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.export.dynamic_shapes import _IntWrapper
 
 _REGISTERED: dict[str, type] = {}  # qualified name -> class
 _REGISTERED_TYPES: set[type] = set()
@@ -96,12 +97,15 @@ def _decode(value: Any) -> Any:
 # Token counters that change with the input length: during tracing they are SymInts, so they are
 # children (leaves) rather than context, which must be a constant.
 _COUNTERS = frozenset({"cumulative_length"})
+# torch.export wraps every int input leaf (a counter of an empty cache, 0) in an _IntWrapper while
+# it works out which are dynamic, and rebuilds the cache with it: still a counter, still a child.
+_COUNTER_TYPES = (int, torch.SymInt, _IntWrapper)
 
 
 def _split(obj: Any) -> tuple[list[str], list[Any], str]:
     names, children, static = [], [], {}
     for name, value in vars(obj).items():
-        if _is_child(value) or (name in _COUNTERS and isinstance(value, (int, torch.SymInt))):
+        if _is_child(value) or (name in _COUNTERS and isinstance(value, _COUNTER_TYPES)):
             names.append(name)
             children.append(list(value) if isinstance(value, tuple) else value)
         else:

@@ -119,17 +119,21 @@ def auto_dynamic_shapes(inputs: dict[str, Any], axis_bound: AxisBound | None = N
         # never below the sample: an axis the model fixes (a channel count) may exceed the bound
         return torch.export.Dim.AUTO if upper is None else torch.export.Dim.AUTO(max=max(upper, size))
 
-    def axes(value: Any) -> Any:
+    def axes(value: Any, in_node: bool = False) -> Any:
         if isinstance(value, torch.Tensor):
             return {axis: hint(axis, size) for axis, size in enumerate(value.shape)}
+        if type(value) is int and in_node:
+            # an int inside a custom node (a dynamic cache layer's token counter) grows with the
+            # sequence: symbolic, or the program only takes the sample's count
+            return torch.export.Dim.AUTO
         if type(value) is dict:  # ModelOutput subclasses dict but is a custom node: see below
-            return {key: axes(item) for key, item in value.items()}
+            return {key: axes(item, in_node) for key, item in value.items()}
         if type(value) in (list, tuple):
-            return type(value)(axes(item) for item in value)
+            return type(value)(axes(item, in_node) for item in value)
         node = pytree.SUPPORTED_NODES.get(type(value))
         if node is not None:
             children, _ = node.flatten_fn(value)
-            return [axes(child) for child in children]
+            return [axes(child, True) for child in children]
         return None
 
     return {name: axes(value) for name, value in inputs.items()}

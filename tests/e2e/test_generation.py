@@ -407,3 +407,25 @@ def test_qwen2_vl_components_have_an_image_encoder_and_no_separate_projector():
         configs["image_encoder"] = config_class(dynamic_shapes=encoder_shapes, verify=True, **extra)
         programs = exporter.export_for_generation(model, inputs, configs)  # verify: each within 1e-4 of eager
         assert list(programs) == list(components)
+
+
+def test_sliding_window_that_never_fills_exports_with_the_default_dynamic_cache():
+    # Mistral's default window (4096) is never reached: its dynamic sliding layers start with an int
+    # token counter, which torch.export wraps while tracing the empty prefill cache
+    model = build("tiny-mistral")
+    assert model.config.sliding_window == 4096
+    programs = DynamoExporter().export_for_generation(
+        model, sample_inputs(model, 2, 6), DynamoConfig(dynamic=True, verify=True)
+    )
+    assert set(programs) == {"prefill", "decode"}
+    prompt = sample_inputs(model, 3, 9, seed=2)
+    with torch.no_grad():
+        cache = model(**prompt).cache
+        step = {
+            "input_ids": sample_inputs(model, 3, 1, seed=5)["input_ids"],
+            "attention_mask": torch.ones(3, 10, dtype=torch.long),
+            "position_ids": torch.full((3, 1), 9),
+        }
+        expected = model(**step, past_key_values=copy.deepcopy(cache)).logits
+        got = programs["decode"].module()(**step, cache=copy.deepcopy(cache)).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
