@@ -278,6 +278,7 @@ class Captured:
     bounds: AxisBounds | None = None
     attention_windows: dict[str, int] = field(default_factory=dict)
     shared_by: tuple[str, ...] = ()  # the targets lowering this one capture, when there are several
+    batch_widened: bool = False  # traced from the one-row sample widened to two rows (batch stays dynamic)
 
     @property
     def sample_shapes(self) -> dict[str, list[int]]:
@@ -328,10 +329,41 @@ def capture(
         _check_no_var_keyword_inputs(model, inputs)
     if bounds is not None:
         logger.info("capture bounds: %s", bounds.describe())
+    # torch.export specialises a size-1 axis, so a one-row sample would freeze the batch axis: trace
+    # a copy widened to two rows instead, and keep it only if it matches eager on the caller's rows
+    widened = widen_batch(inputs) if config.dynamic else None
+    program = _trace(model, widened, dynamic_shapes, config) if widened is not None else None
+    if program is not None and not _matches_eager(model, program, inputs):
+        logger.warning(
+            "the capture of %s from its sample widened to batch 2 differs from eager on the sample itself; "
+            "capturing the sample as given (its batch axis stays 1)",
+            type(model).__name__,
+        )
+        program, widened = None, None
+    if program is None:
+        program = _trace(model, inputs, dynamic_shapes, config)
+    elif widened is not None:
+        # the program carries the caller's sample, not the widened copy (a decode loop reuses its cache)
+        program.example_inputs = ((), copy_inputs(inputs))
+    table = input_axes(program, inputs, dynamic_shapes)
+    for row in table:
+        if row.requested_dynamic and not row.dynamic:
+            logger.warning(
+                "torch.export specialised input %r axis %d to its sample size %d although it was asked "
+                "to be dynamic; the program only accepts that size on this axis. Export from a sample "
+                "where this axis is larger than 1.",
+                row.input,
+                row.axis,
+                row.size,
+            )
+    return Captured(program, table, bounds, frontend.attention_windows(inputs), batch_widened=widened is not None)
+
+
+def _trace(model: torch.nn.Module, inputs: dict[str, Any], dynamic_shapes: Any, config: Any) -> Any:
     traced_inputs = copy_inputs(inputs)
     try:
         with eval_mode(model), patches_applied(scope="capture"):
-            program = torch.export.export(
+            return torch.export.export(
                 model,
                 (),
                 kwargs=traced_inputs,
@@ -348,15 +380,30 @@ def capture(
             "(e.g. max_position_embeddings), and with explicit Dims "
             "prefer_deferred_runtime_asserts_over_guards=True. The chained exception has the full trace."
         ) from error
-    table = input_axes(program, inputs, dynamic_shapes)
-    for row in table:
-        if row.requested_dynamic and not row.dynamic:
-            logger.warning(
-                "torch.export specialised input %r axis %d to its sample size %d although it was asked "
-                "to be dynamic; the program only accepts that size on this axis. Export from a sample "
-                "where this axis is larger than 1.",
-                row.input,
-                row.axis,
-                row.size,
-            )
-    return Captured(program, table, bounds, frontend.attention_windows(inputs))
+
+
+def widen_batch(inputs: dict[str, Any]) -> dict[str, Any] | None:
+    """A copy of ``inputs`` with two rows where the sample has one: every tensor of two or more
+    dimensions repeated along axis 0. ``None`` unless all of them have one row (then axis 0 is
+    unambiguously the batch: a position-ids tensor led by 3 rope sections is not)."""
+    leaves = [leaf for leaf in pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2]
+    if not leaves or any(leaf.shape[0] != 1 for leaf in leaves):
+        return None
+    return pytree.tree_map(
+        lambda leaf: torch.cat([leaf, leaf]) if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2 else leaf,
+        copy_inputs(inputs),
+    )
+
+
+def _matches_eager(model: torch.nn.Module, program: torch.export.ExportedProgram, inputs: dict[str, Any]) -> bool:
+    from hfexport.pipeline.artifacts import flat_tensors
+    from hfexport.pipeline.instruments import max_abs_diff
+
+    with eval_mode(model):
+        expected = flat_tensors(model(**copy_inputs(inputs)))
+        try:
+            got = flat_tensors(program.module()(**copy_inputs(inputs)))
+        except Exception:  # a guard of the widened trace that the caller's sample does not meet
+            return False
+    half = {p.dtype for p in model.parameters()} & {torch.float16, torch.bfloat16}
+    return max_abs_diff(expected, got) <= (1e-2 if half else 1e-4)

@@ -49,6 +49,9 @@ class CaptureStage(Stage):
             run.captured = capture(run.model, run.inputs, run.config, run.bounds, self.frontend)
         if run.captured.bounds is not None:
             run.current.counts.update(run.captured.bounds.counts())
+        if run.captured.batch_widened:
+            widened = "traced from the one-row sample widened to two rows, so the batch axis stays dynamic"
+            run.current.note = f"{run.current.note}; {widened}" if run.current.note else widened
         return run.captured.program
 
 

@@ -92,13 +92,41 @@ def test_eager_attention_exports():
 def test_specialised_dynamic_axis_is_warned_once_by_name(caplog):
     model = build("tiny-llama")
     caplog.set_level(logging.WARNING, logger="hfexport")
-    result = DynamoExporter().run(model, sample_inputs(model, 1, 8), DynamoConfig(dynamic=True))
+    result = DynamoExporter().run(model, sample_inputs(model, 2, 1), DynamoConfig(dynamic=True))
     warnings = [r.getMessage() for r in caplog.records if r.name == "hfexport" and "specialised" in r.getMessage()]
-    assert any("'input_ids' axis 0" in w for w in warnings)
-    assert len([w for w in warnings if "'input_ids' axis 0" in w]) == 1
+    assert len([w for w in warnings if "'input_ids' axis 1" in w]) == 1
     rows = {(a.input, a.axis): a for a in result.input_axes}
-    assert not rows[("input_ids", 0)].dynamic and rows[("input_ids", 0)].requested_dynamic
-    assert rows[("input_ids", 1)].dynamic
+    assert not rows[("input_ids", 1)].dynamic and rows[("input_ids", 1)].requested_dynamic
+    assert rows[("input_ids", 0)].dynamic
+
+
+def test_a_one_row_sample_keeps_the_batch_axis_dynamic(caplog):
+    model = build("tiny-llama")
+    caplog.set_level(logging.WARNING, logger="hfexport")
+    sample = sample_inputs(model, 1, 8)
+    result = DynamoExporter().run(model, sample, DynamoConfig(dynamic=True, verify=True))
+    assert not [r for r in caplog.records if "specialised" in r.getMessage()]
+    rows = {(a.input, a.axis): a for a in result.input_axes}
+    assert rows[("input_ids", 0)].dynamic and rows[("input_ids", 0)].size == 1  # the caller's sample size
+    assert "widened to two rows" in result.record("capture").note
+    assert result.record("capture").max_abs_diff <= 1e-4  # checked on the caller's own one-row sample
+    for batch, seq in [(3, 5), (1, 8)]:
+        inputs = sample_inputs(model, batch, seq, seed=batch)
+        with torch.no_grad():
+            got = result.program.module()(**inputs).logits
+            torch.testing.assert_close(got, model(**inputs).logits, atol=1e-4, rtol=0)
+    assert sample["input_ids"].shape == (1, 8)  # the caller's inputs are untouched
+
+
+def test_widening_needs_one_row_everywhere():
+    from hfexport.pipeline.capture import widen_batch
+
+    one = {"input_ids": torch.ones(1, 4, dtype=torch.long), "cache_position": torch.arange(4)}
+    widened = widen_batch(one)
+    assert widened["input_ids"].shape == (2, 4) and widened["cache_position"].shape == (4,)
+    assert one["input_ids"].shape == (1, 4)
+    # rope position ids led by 3 sections: axis 0 is not the batch
+    assert widen_batch({"input_ids": torch.ones(1, 4), "position_ids": torch.ones(3, 1, 4)}) is None
 
 
 def test_input_axes_table_has_explicit_bounds():
