@@ -26,6 +26,7 @@ from hfexport.exporters import (
     run_for_generation,
     run_targets,
 )
+from hfexport.generation import TextGenerator, load
 from hfexport.models.caches import register_pytree_node
 from hfexport.models.generation import decompose_for_generation
 from hfexport.pipeline.capture import AxisBounds, Captured
@@ -80,6 +81,7 @@ __all__ = [
     "StageError",
     "StepRecord",
     "Target",
+    "TextGenerator",
     "UnsupportedModelError",
     "VerificationError",
     "decompose_for_generation",
@@ -87,6 +89,7 @@ __all__ = [
     "get_pass",
     "get_target",
     "graph_pass",
+    "load",
     "load_exported_program",
     "patches_applied",
     "register_pass",

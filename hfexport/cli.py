@@ -43,7 +43,7 @@ def _export(args: argparse.Namespace) -> int:
     from hfexport.exporters import run_for_generation, run_targets
     from hfexport.pipeline.instruments import ProgressInstrument
     from hfexport.pipeline.pipeline import stage_table
-    from hfexport.presets import load_model, sample_inputs
+    from hfexport.presets import load_model, model_folder, sample_inputs
     from hfexport.targets import save_export
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
@@ -67,14 +67,14 @@ def _export(args: argparse.Namespace) -> int:
         for export_format, folder in folders.items():
             results = {name: by_target[export_format] for name, by_target in by_component.items()}
             generation = {"max_cache_len": args.max_cache_len, "multi_token_decode": True}
-            manifest = save_export(folder, results, generation=generation)
+            manifest = save_export(folder, results, generation=generation, model_folder=model_folder(args.model))
             for spec in manifest.components.values():
                 print(f"wrote {folder / spec.file}")
         return 0
     results = run_targets(model, inputs, configs, progress)
     for config in configs:
         folder, result = folders[config.export_format], results[config.export_format]
-        manifest = save_export(folder, {"model": result})
+        manifest = save_export(folder, {"model": result}, model_folder=model_folder(args.model))
         print(stage_table(result.records))
         dumps = f"; dumps and report.md in {config.dump_dir}" if config.dump_dir else ""
         print(f"\nwrote {folder / manifest.components['model'].file}{dumps}")
@@ -82,21 +82,22 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
+    from hfexport.generation import load
 
-    from hfexport.generation import greedy_decode
-    from hfexport.targets import ExportFolder
-
-    export = ExportFolder(args.export_dir)
-    if not export.manifest.generation:
-        raise HfExportError(
-            f"{args.export_dir} holds a single-graph export; export with "
-            "`hfexport export MODEL --dynamic --generation --out DIR` to generate"
+    generator = load(args.export_dir)
+    if args.prompt_ids is not None:
+        try:
+            prompt: Any = [int(token) for token in args.prompt_ids.split(",")]
+        except ValueError as error:
+            raise HfExportError(f"--prompt-ids takes comma-separated integers, got {args.prompt_ids!r}") from error
+        result = generator.generate(prompt, args.max_new_tokens)
+        print(",".join(map(str, result.tokens)))
+    else:
+        result = generator.generate(
+            args.prompt, args.max_new_tokens, chat=args.chat, stream=lambda text: print(text, end="", flush=True)
         )
-    decoder = export.decoder(batch_size=1)
-    prompt = torch.tensor([[int(token) for token in args.prompt_ids.split(",")]])
-    tokens = greedy_decode(decoder, prompt, args.max_new_tokens, decoder.max_cache_len)
-    print(",".join(str(t) for t in tokens[0, prompt.shape[1] :].tolist()))
+        print()
+    print(result.figures(), file=sys.stderr)
     return 0
 
 
@@ -154,9 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--max-cache-len", type=int, default=64, help="static cache length with --generation")
     export.set_defaults(run=_export)
 
-    generate = commands.add_parser("generate", help="greedy decoding with an exported decode graph")
+    generate = commands.add_parser(
+        "generate", help="greedy text generation with an export folder (streams the text, then one line of figures)"
+    )
     generate.add_argument("export_dir", help="a folder written by `hfexport export ... --generation`")
-    generate.add_argument("--prompt-ids", required=True, help="comma-separated prompt token ids")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text (tokenised with the export's tokenizer)")
+    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    generate.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to --prompt")
     generate.add_argument("--max-new-tokens", type=int, default=16)
     generate.set_defaults(run=_generate)
 

@@ -1,10 +1,15 @@
 """Generation with exported programs: the backend-neutral greedy decode loop over a static-cache
-decode graph, and the attention masks it feeds. Each target's decoder (``hfexport.targets.*``)
-supplies the ``step`` function that runs its artifact.
+decode graph, the attention masks it feeds, and the text front end (tokenizer, chat template, EOS,
+streaming, speed figures). Each target's decoder (``hfexport.targets.*``) supplies the ``step``
+function that runs its artifact.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,8 +73,9 @@ def greedy_decode(
     max_new_tokens: int,
     max_cache_len: int,
     prompt_mask: torch.Tensor | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int = 0,
+    on_token: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Greedy generation with a static-cache decode graph that takes a whole prompt and then
     one token per call.
@@ -78,14 +84,18 @@ def greedy_decode(
     cache; ``valid[b, j]`` says whether cache slot ``j`` holds a real token and ``query_slots``
     are the slots the new tokens are written to (see :func:`decode_mask`). Returns
     ``[batch, prompt + new]`` token ids, like ``model.generate(do_sample=False)``: left padding
-    (``prompt_mask``) is honoured and rows that produced ``eos_token_id`` are padded with
-    ``pad_token_id``.
+    (``prompt_mask``) is honoured and rows that produced an ``eos_token_id`` (one id or several) are
+    padded with ``pad_token_id``. ``on_token(tokens)`` sees each new ``[batch, 1]`` column as it comes.
     """
     batch, prompt_len = prompt_ids.shape
     if prompt_len + max_new_tokens > max_cache_len:
         raise HfExportError(
-            f"prompt ({prompt_len}) + new tokens ({max_new_tokens}) exceed the cache length {max_cache_len}"
+            f"prompt ({prompt_len}) + new tokens ({max_new_tokens}) exceed the cache length {max_cache_len}; "
+            "ask for fewer new tokens or export with a larger max_cache_len"
         )
+    stops = torch.tensor(
+        [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    )
     prompt_mask = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask.long()
     valid = torch.zeros(batch, max_cache_len, dtype=torch.long)
     valid[:, :prompt_len] = prompt_mask
@@ -96,14 +106,147 @@ def greedy_decode(
     next_position = positions[:, -1:] + 1
     for index in range(max_new_tokens):
         next_token = logits[:, -1].argmax(-1, keepdim=True)
-        if eos_token_id is not None:
+        if len(stops):
             next_token = torch.where(finished[:, None], torch.full_like(next_token, pad_token_id), next_token)
-            finished |= next_token[:, 0] == eos_token_id
+            finished |= torch.isin(next_token[:, 0], stops)
         tokens.append(next_token)
-        if index == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+        if on_token is not None:
+            on_token(next_token)
+        if index == max_new_tokens - 1 or (len(stops) and bool(finished.all())):
             break
         slot = prompt_len + index
         valid[:, slot] = 1
         logits = step(next_token, valid, torch.tensor([slot]), next_position)
         next_position = next_position + 1
     return torch.cat(tokens, dim=1)
+
+
+# --- text in, text out ---------------------------------------------------------------------------
+
+
+@dataclass
+class Generation:
+    """What :meth:`TextGenerator.generate` produced: the new token ids, their text, and how fast."""
+
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    first_token_seconds: float  # prefill: from the call to the first new token
+    decode_seconds: float  # every later token
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.first_token_seconds if self.first_token_seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        later = len(self.tokens) - 1
+        return later / self.decode_seconds if later > 0 and self.decode_seconds else 0.0
+
+    def figures(self) -> str:
+        """One line: prompt tokens, time to first token, prefill and decode speed."""
+        return (
+            f"prompt {self.prompt_tokens} tokens | first token in {self.first_token_seconds:.3f} s | "
+            f"prefill {self.prefill_tokens_per_second:.1f} tok/s | decode {self.decode_tokens_per_second:.1f} tok/s "
+            f"({len(self.tokens)} new tokens)"
+        )
+
+
+class TextGenerator:
+    """Greedy text generation from an export folder written with ``--generation``: its decode
+    program, and the tokenizer and generation config copied next to it (an export of a checkpoint
+    folder has them). Use :func:`hfexport.load`."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from hfexport.targets import ExportFolder
+
+        self.folder = Path(folder)
+        self.export = ExportFolder(self.folder)
+        if not self.export.manifest.generation:
+            raise HfExportError(
+                f"{folder} holds a single-graph export; export with "
+                "`hfexport export MODEL --dynamic --generation --out DIR` to generate"
+            )
+        self.decoder = self.export.decoder(batch_size=1)
+        self.tokenizer = self._tokenizer()
+        self.eos_token_id = self._eos_token_ids()
+
+    def _tokenizer(self) -> Any:
+        if not (self.folder / "tokenizer_config.json").is_file() and not (self.folder / "tokenizer.json").is_file():
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.folder)
+
+    def _eos_token_ids(self) -> list[int]:
+        ids: list[int] = []
+        if (self.folder / "generation_config.json").is_file():
+            from transformers import GenerationConfig
+
+            eos = GenerationConfig.from_pretrained(self.folder).eos_token_id
+            ids += [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> torch.Tensor:
+        """``[1, length]`` prompt ids: ``prompt`` itself when it is ids, else tokenised (with the
+        chat template when ``chat``)."""
+        if not isinstance(prompt, str):
+            return torch.tensor([list(prompt)], dtype=torch.long)
+        if self.tokenizer is None:
+            raise HfExportError(
+                f"{self.folder} has no tokenizer files; export from a checkpoint folder that has them, "
+                "or pass token ids"
+            )
+        if chat:
+            if not self.tokenizer.chat_template:
+                raise HfExportError(f"the tokenizer in {self.folder} has no chat template; drop --chat")
+            messages = [{"role": "user", "content": prompt}]
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
+            return encoded["input_ids"]
+        return self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 64,
+        chat: bool = False,
+        stream: Callable[[str], None] | None = None,
+    ) -> Generation:
+        """Greedy generation until an EOS token or ``max_new_tokens``; ``stream(text)`` receives the
+        decoded text piece by piece as tokens come (needs the tokenizer)."""
+        prompt_ids = self.encode(prompt, chat)
+        new: list[int] = []
+        times: list[float] = []
+        shown = ""
+
+        def on_token(token: torch.Tensor) -> None:
+            nonlocal shown
+            times.append(time.perf_counter())
+            new.append(int(token[0, 0]))
+            if stream is not None and self.tokenizer is not None:
+                text = self.tokenizer.decode(new, skip_special_tokens=True)
+                if text.startswith(shown) and len(text) > len(shown):
+                    stream(text[len(shown) :])
+                    shown = text
+
+        started = time.perf_counter()
+        greedy_decode(
+            self.decoder,
+            prompt_ids,
+            max_new_tokens,
+            self.decoder.max_cache_len,
+            eos_token_id=self.eos_token_id or None,
+            on_token=on_token,
+        )
+        text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return Generation(new, text, prompt_ids.shape[1], times[0] - started, times[-1] - times[0])
+
+
+def load(folder: str | Path) -> TextGenerator:
+    """Open an export folder written with ``--generation`` (any target) for text generation:
+    ``hfexport.load(DIR).generate("What is the capital of France?", chat=True).text``."""
+    return TextGenerator(folder)

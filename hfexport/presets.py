@@ -89,14 +89,23 @@ def sample_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 8, seed: in
     }
 
 
-def load_model(name_or_path: str) -> torch.nn.Module:
-    """A preset by name, a packaged real checkpoint by name (:mod:`hfexport.checkpoints`), or a
-    saved transformers model from a local folder (its config's ``architectures`` picks the class)."""
+def model_folder(name_or_path: str) -> Path | None:
+    """The checkpoint folder :func:`load_model` reads ``name_or_path`` from (``None`` for a preset)."""
     from hfexport.checkpoints import CHECKPOINTS, checkpoint_folder
 
     if name_or_path in PRESETS:
+        return None
+    return checkpoint_folder(name_or_path) if name_or_path in CHECKPOINTS else Path(name_or_path)
+
+
+def load_model(name_or_path: str) -> torch.nn.Module:
+    """A preset by name, a packaged real checkpoint by name (:mod:`hfexport.checkpoints`), or a
+    saved transformers model from a local folder (its config's ``architectures`` picks the class)."""
+    from hfexport.checkpoints import CHECKPOINTS
+
+    if name_or_path in PRESETS:
         return PRESETS[name_or_path].build()
-    folder = checkpoint_folder(name_or_path) if name_or_path in CHECKPOINTS else Path(name_or_path)
+    folder = model_folder(name_or_path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
             f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}), a packaged checkpoint "

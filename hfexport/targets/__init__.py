@@ -100,9 +100,12 @@ def save_export(
     results: dict[str, Any],
     *,
     generation: dict[str, Any] | None = None,
+    model_folder: str | Path | None = None,
 ) -> Manifest:
     """Write an export folder: each component's artifact (``<component><suffix>``) and the manifest
-    ``hfexport.json``. ``results`` is ``{component: PipelineResult}``, all of one target.
+    ``hfexport.json``. ``results`` is ``{component: PipelineResult}``, all of one target. With
+    ``model_folder`` (the checkpoint the model was loaded from), its config, generation config and
+    tokenizer / processor files are copied along, so the export folder needs nothing else.
 
     Everything is written to a staging folder first and moved in afterwards, the manifest last; an
     earlier export's manifest is removed before and its artifacts that this one does not replace
@@ -128,6 +131,8 @@ def save_export(
         model = next(iter(results.values())).model_name
         manifest = Manifest(target.name, components, model=model, generation=generation, versions=_versions())
         manifest.write(staging)
+        for file in model_files(model_folder):
+            shutil.copy2(file, staging / file.name)
         stale = set()
         if (folder / MANIFEST).is_file():
             stale = {spec.file for spec in Manifest.read(folder).components.values()}
@@ -140,6 +145,32 @@ def save_export(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
+
+
+# what generating text from an export needs besides the programs
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+
+
+def model_files(folder: str | Path | None) -> list[Path]:
+    """The config, generation config and tokenizer / processor files of a checkpoint folder."""
+    if folder is None:
+        return []
+    return [Path(folder) / name for name in MODEL_FILES if (Path(folder) / name).is_file()]
 
 
 def _versions() -> dict[str, str]:

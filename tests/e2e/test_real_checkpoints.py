@@ -66,3 +66,35 @@ def test_smollm2_single_graph_on_a_chat_prompt_matches_eager(checkpoint, tmp_pat
         got = torch.as_tensor(runner.run(inputs)[0])
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
+
+
+def test_smollm2_text_in_text_out_from_a_self_contained_export_folder(checkpoint, tmp_path, capsys):
+    import hfexport
+    from hfexport.cli import main
+
+    folder = checkpoint("smollm2-135m-instruct")
+    out = tmp_path / "gen"
+    export = ["export", str(folder), "--format", "dynamo", "--dynamic", "--generation", "--max-cache-len", "128"]
+    assert main([*export, "--out", str(out)]) == 0
+    for name in ("hfexport.json", "decode.pt2", "config.json", "generation_config.json", "tokenizer.json"):
+        assert (out / name).is_file(), name  # the folder needs nothing else
+    question = "What is the capital of France?"
+    capsys.readouterr()
+    assert main(["generate", str(out), "--chat", "--prompt", question, "--max-new-tokens", "64"]) == 0
+    printed = capsys.readouterr()
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": question}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        reference = model.generate(**prompt, max_new_tokens=64, do_sample=False)[0, prompt["input_ids"].shape[1] :]
+    text = tokenizer.decode(reference, skip_special_tokens=True)
+    assert "Paris" in text
+    assert printed.out.strip() == text.strip()  # streamed, token for token the same text
+    figures = printed.err.strip().splitlines()[-1]
+    assert figures.startswith(f"prompt {prompt['input_ids'].shape[1]} tokens | first token in ")
+    assert "decode" in figures and "tok/s" in figures
+
+    generated = hfexport.load(out).generate(question, max_new_tokens=64, chat=True)
+    assert generated.tokens == reference.tolist() and generated.text == text
