@@ -165,6 +165,9 @@ class OnnxConfig(DynamoConfig):
 EXECUTORCH_BACKENDS = ("xnnpack", "portable", "cuda")
 
 
+DEFAULT_MAX_SEQ_LEN = 1024
+
+
 @dataclass
 class ExecutorchConfig(DynamoConfig):
     """Config of :class:`~hfexport.ExecutorchExporter`: the :class:`DynamoConfig` fields plus
@@ -175,14 +178,18 @@ class ExecutorchConfig(DynamoConfig):
         alloc_graph_input, alloc_graph_output, alloc_mutable_buffers: forwarded to ExecuTorch's
             memory planning (whether the planner allocates graph inputs, outputs and mutable
             buffers, or the caller provides them).
-        max_seq_len: upper bound of every dynamic axis other than the batch axis; ``None`` takes
-            the model config's ``max_position_embeddings``.
-        max_batch_size: upper bound of every dynamic batch axis (axis 0).
+        max_seq_len: upper bound of every unbounded dynamic axis other than the batch axis;
+            ``None`` is 1024, capped by the model config's own length limit
+            (``max_position_embeddings``, ``n_positions``, ``max_target_positions``, …) when it has one.
+        max_batch_size: upper bound of every unbounded dynamic batch axis (axis 0).
+        max_planned_memory_mb: the largest memory plan accepted (MiB, all planned buffers of the
+            program); ``None`` is half of this machine's memory. A program over it is an error
+            before serialising, naming the bounds to lower.
 
     ExecuTorch plans memory for the largest allowed shapes, so every dynamic axis needs an upper
     bound: an explicit ``Dim(max=...)`` is kept, and an unbounded axis (``dynamic=True``, or a
-    ``Dim`` without ``max``) gets ``max_batch_size`` (axis 0) or ``max_seq_len`` (other axes).
-    The bounds are logged and written to the report.
+    ``Dim`` without ``max``) gets ``max_batch_size`` (axis 0) or ``max_seq_len`` (other axes), never
+    below the sample's size. The bounds and the planned memory are logged and written to the report.
     """
 
     export_format: ClassVar[str] = "executorch"
@@ -192,7 +199,8 @@ class ExecutorchConfig(DynamoConfig):
     alloc_graph_output: bool = True
     alloc_mutable_buffers: bool = True
     max_seq_len: int | None = None
-    max_batch_size: int = 32
+    max_batch_size: int = 8
+    max_planned_memory_mb: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

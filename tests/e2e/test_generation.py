@@ -311,20 +311,10 @@ def test_encoder_decoder_components_match_eager_on_executorch(kind):
     from hfexport import ExecutorchConfig, ExecutorchExporter
 
     model, inputs = build_encoder_decoder(kind)
-    # Whisper's config has no max_position_embeddings: its bound must be given
-    config = ExecutorchConfig(dynamic=True, verify=True, max_seq_len=64)
+    # no bound given: T5 has no length limit (the default bound), Whisper max_target_positions
+    config = ExecutorchConfig(dynamic=True, verify=True)
     programs = ExecutorchExporter().export_for_generation(model, inputs, config)
     assert list(programs) == ["encoder", "prefill", "decode"]
-
-
-def test_whisper_on_executorch_without_a_bound_says_what_to_set():
-    from models import build_encoder_decoder
-
-    from hfexport import ExecutorchConfig, ExecutorchExporter, HfExportError
-
-    model, inputs = build_encoder_decoder("whisper")
-    with pytest.raises(HfExportError, match="component 'encoder'.*max_position_embeddings.*max_seq_len"):
-        ExecutorchExporter().export_for_generation(model, inputs, ExecutorchConfig(dynamic=True))
 
 
 def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache():
@@ -340,10 +330,7 @@ def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache():
     for exporter, config in [
         (DynamoExporter(), DynamoConfig(dynamic=True, verify=True)),
         (OnnxExporter(), OnnxConfig(dynamic=True, verify=True)),
-        (
-            ExecutorchExporter(),
-            ExecutorchConfig(dynamic=True, verify=True, max_seq_len=64),
-        ),  # no max_position_embeddings
+        (ExecutorchExporter(), ExecutorchConfig(dynamic=True, verify=True)),  # no length limit: the default bound
     ]:
         assert set(exporter.export_for_generation(model, inputs, config)) == {"prefill", "decode"}
 
@@ -362,8 +349,8 @@ def test_llava_components_include_the_image_encoder_and_projector():
     for exporter, config in [
         (DynamoExporter(), DynamoConfig(dynamic=True, verify=True)),
         (OnnxExporter(), OnnxConfig(dynamic=True, verify=True)),
-        # the CLIP vision tower's config has no max_position_embeddings: the bound must be given
-        (ExecutorchExporter(), ExecutorchConfig(dynamic=True, verify=True, max_seq_len=64)),
+        # the CLIP vision tower's config has no length limit: the default bound
+        (ExecutorchExporter(), ExecutorchConfig(dynamic=True, verify=True)),
     ]:
         programs = exporter.export_for_generation(model, inputs, config)
         assert list(programs) == list(components)
@@ -401,7 +388,7 @@ def test_qwen2_vl_components_have_an_image_encoder_and_no_separate_projector():
     for exporter, config_class, extra in [
         (DynamoExporter(), DynamoConfig, {}),
         (OnnxExporter(), OnnxConfig, {}),
-        (ExecutorchExporter(), ExecutorchConfig, {"max_seq_len": 64}),
+        (ExecutorchExporter(), ExecutorchConfig, {}),
     ]:
         configs = {name: config_class(dynamic=True, verify=True, **extra) for name in components}
         configs["image_encoder"] = config_class(dynamic_shapes=encoder_shapes, verify=True, **extra)

@@ -30,7 +30,8 @@ def test_executorch_runtime_matches_eager(preset, tmp_path):
         inputs = sample_inputs(model, batch, seq, seed=batch + seq)
         got = runner.run(inputs)[0]
         torch.testing.assert_close(got, main_output(eager(model, inputs)), atol=1e-4, rtol=0)
-    assert result.record("capture").counts == {"max_batch_size": 32, "max_seq_len": 512}
+    assert result.record("capture").counts == {"max_batch_size": 8, "max_seq_len": 512}  # 512: the config's limit
+    assert 0 < result.record("to_executorch").counts["planned_memory_mb"] < 1024
 
 
 def test_spec_example_runs_unchanged(tmp_path, monkeypatch):
@@ -90,7 +91,7 @@ def test_unbounded_axes_get_the_documented_bounds():
     model = build("tiny-gpt2")
     result = ExecutorchExporter().run(model, sample_inputs(model), ExecutorchConfig(dynamic=True, max_seq_len=40))
     axes = {(a.input, a.axis): a for a in result.input_axes}
-    assert axes[("input_ids", 0)].max == 32 and axes[("input_ids", 1)].max == 40
+    assert axes[("input_ids", 0)].max == 8 and axes[("input_ids", 1)].max == 40
     assert "max_seq_len=40" in result.report
     runner = ExecutorchRunner(result.program)
     with pytest.raises(HfExportError, match="axis 1 has size 41, above the exported upper bound 40"):
@@ -152,3 +153,69 @@ def test_runner_feeds_inputs_by_name_whatever_the_dict_order(tmp_path):
         runner.run({"input_ids": inputs["input_ids"]})
     with pytest.raises(HfExportError, match=r"unknown input\(s\) \['token_type_ids'\]"):
         runner.run({**inputs, "token_type_ids": torch.zeros_like(inputs["input_ids"])})
+
+
+def test_planned_memory_over_the_budget_names_the_bounds_to_lower():
+    from hfexport import ConfigError
+
+    model = build("tiny-llama")
+    config = ExecutorchConfig(dynamic=True, max_planned_memory_mb=1)
+    with pytest.raises(
+        ConfigError, match=r"plans \d+ MiB of memory, over the budget of 1 MiB.*batch <= 8.*max_seq_len"
+    ):
+        ExecutorchExporter().export(model, sample_inputs(model), config)
+
+
+def test_a_config_without_a_length_limit_gets_the_default_sequence_bound():
+    from hfexport.targets.executorch.lowering import memory_planning_bounds
+
+    t5 = _t5()
+    bounds = memory_planning_bounds(t5, ExecutorchConfig(dynamic=True))
+    assert (bounds.batch, bounds.other) == (8, 1024) and "default max_seq_len" in bounds.source
+    gpt2 = build("tiny-gpt2")  # n_positions 512 caps it
+    assert memory_planning_bounds(gpt2, ExecutorchConfig()).other == 512
+
+
+def _t5():
+    from models import build_encoder_decoder
+
+    return build_encoder_decoder("t5")[0]
+
+
+def test_spec_example_with_the_real_qwen3_config_values_loads_and_runs(tmp_path, monkeypatch):
+    # Qwen3-0.6B's config with only the layers and hidden sizes shrunk: max_position_embeddings 40960
+    # and a 151936-token vocabulary, which planned for max_position_embeddings could not be allocated
+    import transformers
+
+    monkeypatch.chdir(tmp_path)
+    config = transformers.Qwen3Config(
+        vocab_size=151936,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=40960,
+        rope_theta=1000000,
+        tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    inputs = sample_inputs(model, 1, 6)  # stands in for tokenizer("Hello, world!", return_tensors="pt")
+
+    exporter = ExecutorchExporter()
+    config = ExecutorchConfig(backend="xnnpack", dynamic=True)
+    result = exporter.run(model, inputs, config=config)
+    et_program = result.program
+    et_program.save("model.pte")
+
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program("model.pte")
+    method = program.load_method("forward")
+    outputs = method.execute(list(inputs.values()))
+    torch.testing.assert_close(outputs[0], eager(model, inputs).logits, atol=1e-4, rtol=0)
+    assert "planned_memory_mb=" in result.report  # the report shows the planned memory
+    assert result.record("capture").counts == {"max_batch_size": 8, "max_seq_len": 1024}

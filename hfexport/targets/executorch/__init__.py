@@ -33,7 +33,7 @@ class ExecutorchTarget(Target):
         return [
             TransformStage("to_edge", lambda program, run: lowering.to_edge(program, partitioners)),
             TransformStage("delegate", lambda edge, run: lowering.delegate(edge, partitioners, run)),
-            TransformStage("to_executorch", lambda edge, run: lowering.to_executorch(edge, config)),
+            TransformStage("to_executorch", lambda edge, run: lowering.to_executorch(edge, config, run)),
         ]
 
     def bounds(self, model: torch.nn.Module, config: Any) -> AxisBounds:

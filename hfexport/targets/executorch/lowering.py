@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from typing import Any
 
 import torch
 
+from hfexport.configs import DEFAULT_MAX_SEQ_LEN
 from hfexport.errors import ConfigError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
 from hfexport.pipeline.capture import AxisBounds, Captured
@@ -24,23 +26,45 @@ from hfexport.versions import require_backend
 logger = logging.getLogger("hfexport")
 
 
+# config fields that cap a model's sequence length, in the model config or its text config
+LENGTH_LIMITS = ("max_position_embeddings", "n_positions", "max_target_positions", "n_ctx")
+
+
 def memory_planning_bounds(model: torch.nn.Module, config: Any) -> AxisBounds:
     """The bounds ExecuTorch memory planning needs, by the policy of
-    :class:`~hfexport.ExecutorchConfig`: ``max_batch_size`` for axis 0, ``max_seq_len`` for the
-    others, else the model config's ``max_position_embeddings``."""
+    :class:`~hfexport.ExecutorchConfig`: ``max_batch_size`` for axis 0; for the others
+    ``max_seq_len``, else 2048 capped by the model config's own length limit."""
     if config.max_seq_len is not None:
         return AxisBounds(config.max_batch_size, config.max_seq_len, "ExecuTorch memory planning: max_seq_len")
     model_config = getattr(model, "config", None)
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    seq = getattr(text_config, "max_position_embeddings", None)
-    if seq is None:
-        raise ConfigError(
-            f"{type(model).__name__}'s config has no max_position_embeddings to bound the dynamic axes for "
-            "ExecuTorch memory planning; set ExecutorchConfig(max_seq_len=...) or give Dim(max=...) bounds"
-        )
+    configs = [model_config]
+    if hasattr(model_config, "get_text_config"):
+        configs.append(model_config.get_text_config())
+    limits = {
+        field: int(value)
+        for cfg in configs
+        for field in LENGTH_LIMITS
+        if isinstance(value := getattr(cfg, field, None), int) and value > 0
+    }
+    if limits:
+        field, limit = min(limits.items(), key=lambda item: item[1])
+        if limit < DEFAULT_MAX_SEQ_LEN:
+            return AxisBounds(config.max_batch_size, limit, f"ExecuTorch memory planning: model config {field}")
     return AxisBounds(
-        config.max_batch_size, int(seq), "ExecuTorch memory planning: model config max_position_embeddings"
+        config.max_batch_size,
+        DEFAULT_MAX_SEQ_LEN,
+        f"ExecuTorch memory planning: default max_seq_len {DEFAULT_MAX_SEQ_LEN}",
     )
+
+
+def planned_memory_mb(program: Any) -> float:
+    """The memory the program's plan allocates, in MiB (every planned buffer of every method)."""
+    return sum(sum(plan.non_const_buffer_sizes) for plan in program.executorch_program.execution_plan) / 2**20
+
+
+def default_memory_budget_mb() -> int:
+    """Half of this machine's physical memory, in MiB."""
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20 / 2)
 
 
 def partitioners(backend: str) -> list[Any]:
@@ -114,8 +138,10 @@ def delegation_summary(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
     }
 
 
-def to_executorch(edge: Any, config: Any) -> Any:
-    """Edge → ExecuTorch program, with the config's memory-planning flags."""
+def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
+    """Edge → ExecuTorch program, with the config's memory-planning flags. Records the planned
+    memory (``planned_memory_mb``) and raises :class:`ConfigError` when it exceeds the budget
+    (``max_planned_memory_mb``), naming the bounds that set it."""
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
 
@@ -124,7 +150,24 @@ def to_executorch(edge: Any, config: Any) -> Any:
         alloc_graph_output=config.alloc_graph_output,
         alloc_mutable_buffers=config.alloc_mutable_buffers,
     )
-    return edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
+    program = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
+    planned = planned_memory_mb(program)
+    run.current.counts["planned_memory_mb"] = round(planned)
+    budget = config.max_planned_memory_mb or default_memory_budget_mb()
+    bounds = run.captured.bounds if run.captured is not None else None
+    logger.info("ExecuTorch planned memory: %.0f MiB (budget %d MiB)", planned, budget)
+    if planned > budget:
+        where = (
+            f"the dynamic axes are bounded by batch <= {bounds.batch} and other axes <= {bounds.other} "
+            f"({bounds.source}); lower ExecutorchConfig(max_batch_size=...) or (max_seq_len=...)"
+            if bounds is not None
+            else "lower the Dim(max=...) bounds of the dynamic axes"
+        )
+        raise ConfigError(
+            f"the ExecuTorch program plans {planned:.0f} MiB of memory, over the budget of {budget} MiB: {where}, "
+            "or raise ExecutorchConfig(max_planned_memory_mb=...)"
+        )
+    return program
 
 
 # --- artifact kinds --------------------------------------------------------------------------------
