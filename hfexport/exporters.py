@@ -124,7 +124,7 @@ class HfExporter:
             config = {name: self._check_config(c) for name, c in config.items()}
         else:
             config = self._check_config(config)
-        results = run_for_generation(model, inputs, [config], generation_config, multi_token_decode)
+        results = run_for_generation(model, inputs, [config], generation_config, multi_token_decode, exporters=[self])
         return {name: by_target[self.export_format].program for name, by_target in results.items()}
 
 
@@ -132,7 +132,11 @@ CAPTURE_FIELDS = ("dynamic", "dynamic_shapes", "strict", "prefer_deferred_runtim
 
 
 def run_targets(
-    model: torch.nn.Module, inputs: Any, configs: Sequence[Any], instruments: Sequence[Instrument] = ()
+    model: torch.nn.Module,
+    inputs: Any,
+    configs: Sequence[Any],
+    instruments: Sequence[Instrument] = (),
+    exporters: Sequence[HfExporter] | None = None,
 ) -> dict[str, PipelineResult]:
     """Export ``model(**inputs)`` to several targets from **one** capture: ``{export_format: result}``.
 
@@ -141,6 +145,7 @@ def run_targets(
     ``prefer_deferred_runtime_asserts_over_guards``). When a target needs bounded dynamic axes
     (ExecuTorch's memory planning), the one capture is made with the bounds and every target gets
     them; each report says so. Every target lowers its own copy of the captured graph.
+    ``exporters`` (one per config) replaces the registry's exporter of each target.
     """
     from hfexport.auto import AutoHfExporter
 
@@ -149,7 +154,10 @@ def run_targets(
     formats = [getattr(c, "export_format", None) for c in configs]
     if len(set(formats)) != len(formats):
         raise ConfigError(f"one config per target: {formats} names a target twice")
-    exporters = [AutoHfExporter.from_config(c) for c in configs]
+    if exporters is None:
+        exporters = [AutoHfExporter.from_config(c) for c in configs]
+    if len(exporters) != len(configs):
+        raise ConfigError(f"run_targets got {len(exporters)} exporters for {len(configs)} configs")
     if len(configs) == 1:
         return {formats[0]: exporters[0].run(model, inputs, configs[0], instruments)}
     for field in CAPTURE_FIELDS:
@@ -184,6 +192,7 @@ def run_for_generation(
     generation_config: Any = None,
     multi_token_decode: bool = False,
     instruments: Sequence[Instrument] = (),
+    exporters: Sequence[HfExporter] | None = None,
 ) -> dict[str, dict[str, PipelineResult]]:
     """Export each component of ``model``'s generation loop to each target of ``configs`` (each a
     config, or ``{component: config}``), one capture per component: ``{component: {export_format:
@@ -206,7 +215,7 @@ def run_for_generation(
                 config.dump_dir = str(Path(config.dump_dir) / name)
             component_configs.append(config)
         try:
-            results[name] = run_targets(module, kwargs, component_configs, instruments)
+            results[name] = run_targets(module, kwargs, component_configs, instruments, exporters)
         except HfExportError as error:
             raise type(error)(f"component {name!r}: {error}") from error
         except Exception as error:

@@ -416,3 +416,16 @@ def test_sliding_window_that_never_fills_exports_with_the_default_dynamic_cache(
         expected = model(**step, past_key_values=copy.deepcopy(cache)).logits
         got = programs["decode"].module()(**step, cache=copy.deepcopy(cache)).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_export_for_generation_runs_the_exporter_it_is_called_on():
+    class OnlyDeadCodeElimination(DynamoExporter):
+        default_passes = ("dead_code_elimination",)
+
+    model = build("tiny-llama")
+    programs = OnlyDeadCodeElimination().export_for_generation(
+        model, sample_inputs(model, 2, 6), DynamoConfig(dynamic=True)
+    )
+    decode = programs["decode"]
+    assert "hfexport.cache_mutations" not in decode.graph_module.meta  # mark_cache_mutations did not run
+    assert any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in decode.graph.nodes)
