@@ -1,6 +1,8 @@
 """Real checkpoints from the package registry (hfexport.checkpoints), exported with default configs
 plus dynamic=True, run on each target's runtime against eager."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
@@ -31,7 +33,7 @@ def test_minilm_sentence_embeddings_match_eager(checkpoint, tmp_path, config):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModel.from_pretrained(folder, attn_implementation="sdpa").eval()
     sample = tokenizer(SENTENCES, padding=True, return_tensors="pt")
-    config.verify = True  # every stage within 1e-4 of eager on the sample
+    config = dataclasses.replace(config, verify=True)  # every stage within 1e-4 of eager on the sample
     save_export(tmp_path, {"model": AutoHfExporter.from_config(config).run(model, sample, config)})
     runner = ExportFolder(tmp_path).runner()
     for batch in (sample, tokenizer(MORE, padding=True, return_tensors="pt")):
@@ -47,14 +49,18 @@ def test_minilm_sentence_embeddings_match_eager(checkpoint, tmp_path, config):
         )
 
 
-@pytest.mark.parametrize("config", CONFIGS[:2], ids=lambda c: c.export_format)
+# ExecuTorch: about 5 minutes for the 135M model on this machine (plans 2.8 GB): make test-all
+SMOLLM2_CONFIGS = [*CONFIGS[:2], pytest.param(CONFIGS[2], marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("config", SMOLLM2_CONFIGS, ids=lambda c: c.export_format)
 def test_smollm2_single_graph_on_a_chat_prompt_matches_eager(checkpoint, tmp_path, config):
     folder = checkpoint("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    config.verify, config.tolerance = True, 1e-3
+    config = dataclasses.replace(config, verify=True, tolerance=1e-3)
     result = AutoHfExporter.from_config(config).run(model, dict(prompt), config)
     save_export(tmp_path, {"model": result})
     runner = ExportFolder(tmp_path).runner()
