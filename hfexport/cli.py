@@ -31,6 +31,9 @@ def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
         for key in ("dynamic", "verify"):
             if getattr(args, key):
                 values[key] = True
+        if args.generation and "dynamic_shapes" not in values:
+            # the decode graph must take any query length (a whole prompt, then one token)
+            values["dynamic"] = True
         if args.passes is not None:
             values["passes"] = args.passes
         if args.dump_dir:
@@ -151,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--config", help="a JSON config file (keys of the backend's config); flags override it")
     export.add_argument("--batch", type=int, default=2, help="sample batch size (default 2)")
     export.add_argument("--seq", type=int, default=8, help="sample sequence length (default 8)")
-    export.add_argument("--generation", action="store_true", help="export prefill and a static-cache decode graph")
+    export.add_argument(
+        "--generation", action="store_true", help="export prefill and a static-cache decode graph (implies --dynamic)"
+    )
     export.add_argument("--max-cache-len", type=int, default=64, help="static cache length with --generation")
     export.set_defaults(run=_export)
 

@@ -201,5 +201,11 @@ class ExportFolder:
 
     def decoder(self, batch_size: int = 1) -> Any:
         """The step function of the folder's static-cache ``decode`` for :func:`~hfexport.generation.greedy_decode`."""
-        self.manifest.component("decode")
+        decode = self.manifest.component("decode")
+        ids = next((i for i in decode.inputs if i.path == "input_ids"), None)
+        if ids is not None and 1 not in ids.dynamic:
+            raise HfExportError(
+                f"the decode graph in {self.folder} takes exactly {ids.shape[1]} query tokens (exported with static "
+                "shapes), so it cannot take a prompt and then one token; export with --dynamic"
+            )
         return self.target.decoder(self.folder, self.manifest, batch_size)

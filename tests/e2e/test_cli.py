@@ -114,3 +114,17 @@ def test_export_for_generation_then_generate(tmp_path, preset):
             torch.tensor([[5, 9, 14, 2, 77]]), max_new_tokens=8, min_new_tokens=8, do_sample=False
         )
     assert result.stdout.strip().splitlines()[-1] == ",".join(map(str, expected[0, 5:].tolist()))
+
+
+def test_generation_export_with_no_options_generates(tmp_path):
+    # --generation implies --dynamic: a static decode graph could not take a prompt, then one token
+    out = tmp_path / "gen"
+    run("export", "tiny-llama", "--generation", "--out", out)
+    result = run("generate", out, "--prompt-ids", "5,9,14,2,77", "--max-new-tokens", "8")
+    model = build("tiny-llama")
+    with torch.no_grad():
+        expected = model.generate(
+            torch.tensor([[5, 9, 14, 2, 77]]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+        )
+    assert result.stdout.strip().splitlines()[-1] == ",".join(map(str, expected[0, 5:].tolist()))
+    assert "decode" in result.stderr and "tok/s" in result.stderr  # the figures line

@@ -429,3 +429,13 @@ def test_export_for_generation_runs_the_exporter_it_is_called_on():
     decode = programs["decode"]
     assert "hfexport.cache_mutations" not in decode.graph_module.meta  # mark_cache_mutations did not run
     assert any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in decode.graph.nodes)
+
+
+def test_a_static_decode_graph_is_refused_for_generation_by_name(tmp_path):
+    from hfexport import ExportFolder, HfExportError, run_for_generation, save_export
+
+    model = build("tiny-llama")
+    results = run_for_generation(model, sample_inputs(model, 2, 6), [DynamoConfig()], STATIC, multi_token_decode=True)
+    save_export(tmp_path, {name: by_target["dynamo"] for name, by_target in results.items()})
+    with pytest.raises(HfExportError, match="takes exactly 2 query tokens.*export with --dynamic"):
+        ExportFolder(tmp_path).decoder(batch_size=1)
