@@ -192,14 +192,6 @@ class InputAxis:
         return f"static {self.size}" + (" (asked dynamic: specialised)" if self.requested_dynamic else "")
 
 
-def sample_shapes(axes: list[InputAxis]) -> dict[str, list[int]]:
-    """``{input name: sample shape}`` from an input-axes table (what runtimes size buffers by)."""
-    shapes: dict[str, list[int]] = {}
-    for axis in axes:
-        shapes.setdefault(axis.input, []).append(axis.size)
-    return shapes
-
-
 def _requested_axes(dynamic_shapes: Any, inputs: dict[str, Any]) -> dict[str, set[int]]:
     """For each top-level input name, the axes the user asked to be dynamic."""
     requested: dict[str, set[int]] = {}
@@ -282,7 +274,11 @@ class Captured:
 
     @property
     def sample_shapes(self) -> dict[str, list[int]]:
-        return sample_shapes(self.input_axes)
+        """``{input name: sample shape}``, from the input-axes table."""
+        shapes: dict[str, list[int]] = {}
+        for axis in self.input_axes:
+            shapes.setdefault(axis.input, []).append(axis.size)
+        return shapes
 
     def copy(self) -> Captured:
         """The same capture with its own graph (weights shared), for one more target to rewrite."""
@@ -397,7 +393,7 @@ def widen_batch(inputs: dict[str, Any]) -> dict[str, Any] | None:
 
 def _matches_eager(model: torch.nn.Module, program: torch.export.ExportedProgram, inputs: dict[str, Any]) -> bool:
     from hfexport.pipeline.artifacts import flat_tensors
-    from hfexport.pipeline.instruments import max_abs_diff
+    from hfexport.pipeline.instruments import default_tolerance, max_abs_diff
 
     with eval_mode(model):
         expected = flat_tensors(model(**copy_inputs(inputs)))
@@ -405,5 +401,4 @@ def _matches_eager(model: torch.nn.Module, program: torch.export.ExportedProgram
             got = flat_tensors(program.module()(**copy_inputs(inputs)))
         except Exception:  # a guard of the widened trace that the caller's sample does not meet
             return False
-    half = {p.dtype for p in model.parameters()} & {torch.float16, torch.bfloat16}
-    return max_abs_diff(expected, got) <= (1e-2 if half else 1e-4)
+    return max_abs_diff(expected, got) <= default_tolerance(model)

@@ -178,6 +178,12 @@ def max_abs_diff(expected: list[torch.Tensor], actual: list[Any]) -> float:
     return worst
 
 
+def default_tolerance(model: torch.nn.Module) -> float:
+    """Max abs difference allowed against eager: 1e-4 for fp32 models, 1e-2 with fp16/bf16 weights."""
+    dtypes = {p.dtype for p in model.parameters()}
+    return 1e-2 if dtypes & {torch.float16, torch.bfloat16} else 1e-4
+
+
 class NumericsInstrument(Instrument):
     """After capture and after each stage (``each_pass``: after each pass too), run the program on
     the sample inputs and compare its outputs with eager PyTorch; raise :class:`VerificationError`
@@ -196,8 +202,7 @@ class NumericsInstrument(Instrument):
         with eval_mode(run.model):
             self.reference = flat_tensors(run.model(**copy_inputs(run.inputs)))
         if self.tolerance is None:
-            dtypes = {p.dtype for p in run.model.parameters()}
-            self.tolerance = 1e-2 if dtypes & {torch.float16, torch.bfloat16} else 1e-4
+            self.tolerance = default_tolerance(run.model)
 
     def after(self, step: StepRecord, program: Any) -> None:
         if step.kind != "stage" and not self.each_pass:

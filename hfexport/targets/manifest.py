@@ -21,7 +21,7 @@ from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 
 from hfexport.errors import HfExportError
 from hfexport.pipeline.capture import Captured
-from hfexport.pipeline.io_names import program_io_names
+from hfexport.pipeline.io_names import program_io_names, user_input_names
 
 MANIFEST = "hfexport.json"
 FORMAT_VERSION = 1
@@ -181,7 +181,7 @@ def program_outputs(program: torch.export.ExportedProgram) -> list[tuple[str, st
     """``(path, kind, written input path)`` for every output of ``program`` in its flat order:
     user outputs (``"tensor"`` / ``"scalar"``) and the write-backs of inputs it mutates."""
     paths = program_io_names(program)[1]
-    input_path = dict(zip(_user_placeholders(program), program_io_names(program)[0], strict=False))
+    input_path = user_input_names(program)
     user_paths = iter(paths)
     found = []
     for spec in program.graph_signature.output_specs:
@@ -192,10 +192,6 @@ def program_outputs(program: torch.export.ExportedProgram) -> list[tuple[str, st
             kind = "tensor" if isinstance(spec.arg, TensorArgument) else "scalar"
             found.append((next(user_paths), kind, None))
     return found
-
-
-def _user_placeholders(program: torch.export.ExportedProgram) -> list[str]:
-    return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 
 def _jsonable(value: Any) -> Any:

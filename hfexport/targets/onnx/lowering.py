@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+from torch.export.graph_signature import OutputKind, TensorArgument
 
 from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind
 from hfexport.pipeline.capture import Captured
-from hfexport.pipeline.io_names import program_io_names
+from hfexport.pipeline.io_names import program_io_names, user_input_names
 from hfexport.targets.manifest import ComponentSpec, OutputSpec, captured_facts, program_inputs
 from hfexport.versions import require_backend
 
@@ -50,7 +50,7 @@ def onnx_component(program: torch.export.ExportedProgram, captured: Captured | N
     gives its graph inputs and outputs, and what each output is."""
     inputs = program_inputs(program, captured, _input_name)
     signature = program.graph_signature
-    path_of = dict(zip(_user_placeholders(program), program_io_names(program)[0], strict=True))
+    path_of = user_input_names(program)
     written = {
         s.arg.name: path_of[s.target] for s in signature.output_specs if s.kind == OutputKind.USER_INPUT_MUTATION
     }
@@ -65,10 +65,6 @@ def onnx_component(program: torch.export.ExportedProgram, captured: Captured | N
             kind = "tensor" if isinstance(spec.arg, TensorArgument) else "scalar"
             outputs.append(OutputSpec(f"present.{path}" if path in taken else path, path, kind))
     return ComponentSpec("", inputs, outputs, **captured_facts(captured))
-
-
-def _user_placeholders(program: torch.export.ExportedProgram) -> list[str]:
-    return [s.arg.name for s in program.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
 
 
 def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None) -> torch.onnx.ONNXProgram:
