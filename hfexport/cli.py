@@ -69,7 +69,9 @@ def _export(args: argparse.Namespace) -> int:
         by_component = run_for_generation(model, inputs, configs, generation_config, True, progress)
         for export_format, folder in folders.items():
             results = {name: by_target[export_format] for name, by_target in by_component.items()}
-            generation = {"max_cache_len": args.max_cache_len, "multi_token_decode": True}
+            # a recurrent decode (Mamba) takes one token per step even when several were asked for
+            query = results["decode"].captured.sample_shapes.get("input_ids", [0, 1])[1]
+            generation = {"max_cache_len": args.max_cache_len, "multi_token_decode": query > 1}
             manifest = save_export(folder, results, generation=generation, model_folder=model_folder(args.model))
             for spec in manifest.components.values():
                 print(f"wrote {folder / spec.file}")

@@ -30,12 +30,16 @@ def decode_mask(valid: torch.Tensor, query_slots: torch.Tensor, window: int | No
 
 
 class DecodeMasks:
-    """Builds a decode graph's attention masks in the structure it was exported with: one 4-D
-    ``attention_mask`` (``layer_types`` None), or one per layer type (``attention_mask.<type>``
+    """Builds a decode graph's attention masks in the structure and dtype it was exported with
+    (boolean, or additive float for eager attention): one 4-D ``attention_mask`` (``layer_types``
+    None; windowed when ``windows`` has the one window of a model whose layers all slide), or one
+    per layer type (``attention_mask.<type>``
     inputs), each layer type in ``windows`` limited to its sliding window. Raises
     :class:`~hfexport.HfExportError` up front for a layer type it cannot build."""
 
-    def __init__(self, layer_types: list[str] | None, windows: dict[str, int]) -> None:
+    def __init__(
+        self, layer_types: list[str] | None, windows: dict[str, int], dtypes: dict[str, torch.dtype] | None = None
+    ) -> None:
         unsupported = sorted(set(layer_types or ()) - {"full_attention"} - set(windows))
         if unsupported:
             raise HfExportError(
@@ -45,19 +49,35 @@ class DecodeMasks:
             )
         self.layer_types = layer_types
         self.windows = windows
+        self.dtypes = dtypes or {}
 
     @classmethod
-    def from_input_paths(cls, paths: list[str], windows: dict[str, int]) -> DecodeMasks:
+    def from_input_paths(
+        cls, paths: list[str], windows: dict[str, int], dtypes: dict[str, torch.dtype] | None = None
+    ) -> DecodeMasks:
         """From a decode graph's input keyword paths: ``attention_mask.<layer type>`` for a
-        per-layer-type mask dict, else one ``attention_mask``."""
+        per-layer-type mask dict, else one ``attention_mask``; ``dtypes`` by path."""
         types = [path.split(".", 1)[1] for path in paths if path.startswith("attention_mask.")]
-        return cls(types or None, windows)
+        return cls(types or None, windows, dtypes)
+
+    def _typed(self, path: str, mask: torch.Tensor) -> torch.Tensor:
+        # eager attention adds its mask to the scores: 0 where visible, the dtype's minimum where not
+        dtype = self.dtypes.get(path, torch.bool)
+        if dtype == torch.bool:
+            return mask
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
 
     def structured(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
         """The mask, or ``{layer type: mask}``, as the model's ``attention_mask`` argument."""
         if self.layer_types is None:
-            return decode_mask(valid, query_slots)
-        return {key: decode_mask(valid, query_slots, self.windows.get(key)) for key in self.layer_types}
+            # one mask serves every layer: when the cache's layers are windowed, all of them are
+            # (Mistral, whose mask function applies the window to 2-D masks only)
+            window = next(iter(self.windows.values())) if len(self.windows) == 1 else None
+            return self._typed("attention_mask", decode_mask(valid, query_slots, window))
+        return {
+            key: self._typed(f"attention_mask.{key}", decode_mask(valid, query_slots, self.windows.get(key)))
+            for key in self.layer_types
+        }
 
     def by_input_path(self, valid: torch.Tensor, query_slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """The masks by flat input path (``attention_mask`` or ``attention_mask.<layer type>``)."""

@@ -99,6 +99,44 @@ def build_mamba() -> tuple[torch.nn.Module, dict]:
     return model, {"input_ids": torch.randint(0, 128, (2, 6)), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
 
 
+# families whose static decode must apply a sliding window past it: (config, model class, attention)
+SLIDING_WINDOW_FAMILIES = {
+    # every layer slides; the mask function applies the window only to 2-D masks
+    "mistral": ("MistralConfig", {"sliding_window": 4}, "MistralForCausalLM", "sdpa"),
+    # sliding above max_window_layers, full below
+    "qwen2": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+        "Qwen2ForCausalLM",
+        "sdpa",
+    ),
+    # eager attention adds a float mask to the scores
+    "gemma2": (
+        "Gemma2Config",
+        {"head_dim": 16, "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+        "Gemma2ForCausalLM",
+        "eager",
+    ),
+    "cohere2": (
+        "Cohere2Config",
+        {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+        "Cohere2ForCausalLM",
+        "eager",
+    ),
+}
+
+
+def build_sliding_window(family: str) -> torch.nn.Module:
+    """A tiny random decoder of ``family`` (:data:`SLIDING_WINDOW_FAMILIES`) with a 4-token window."""
+    import transformers
+
+    config_class, overrides, model_class, attention = SLIDING_WINDOW_FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**TINY_DECODER, **overrides})
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).eval()
+
+
 def build_llava() -> tuple[torch.nn.Module, dict]:
     """A tiny random LLaVA (CLIP vision tower + Llama) and a one-image prompt."""
     import transformers

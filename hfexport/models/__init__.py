@@ -2,7 +2,7 @@
 decomposition, windowed static-cache layers, vision-encoder inputs and the model patches.
 Importing this package registers its patches."""
 
-from hfexport.models import patches, vision, windowed_cache  # noqa: F401  (register their patches)
+from hfexport.models import patches, static_layers, vision  # noqa: F401  (register their patches)
 from hfexport.models.frontend import TRANSFORMERS, TransformersFrontend
 
 __all__ = ["TRANSFORMERS", "TransformersFrontend"]

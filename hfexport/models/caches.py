@@ -185,7 +185,7 @@ def register_cache_pytrees() -> None:
     import transformers.modeling_outputs  # noqa: F401  (registers the ModelOutput pytree nodes)
     from transformers import cache_utils
 
-    import hfexport.models.windowed_cache  # noqa: F401  (defines WindowedStaticLayer)
+    import hfexport.models.static_layers  # noqa: F401  (defines WindowedStaticLayer)
 
     roots = [cache_utils.Cache, cache_utils.CacheLayerMixin, cache_utils.DummyLayer]
     roots += (

@@ -14,7 +14,7 @@ import torch
 
 from hfexport.errors import UnsupportedModelError
 from hfexport.models.caches import register_cache_pytrees
-from hfexport.models.windowed_cache import attention_windows
+from hfexport.models.static_layers import attention_windows
 from hfexport.pipeline.capture import Frontend, as_input_dict
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -63,8 +63,25 @@ class TransformersFrontend(Frontend):
         register_cache_pytrees()
         return normalize_inputs(inputs, model)
 
+    def static_axes(self, model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, set[int]]:
+        """The width of flattened patch vectors (``[patches, channels x temporal x patch x patch]``):
+        Qwen2-VL-style ``pixel_values`` and the ``hidden_states`` its vision encoder takes. The
+        vision config fixes it, and left symbolic it reaches ONNX as a symbolic convolution width
+        (ONNX Runtime then rejects the Conv's bias)."""
+        patch_inputs = ["pixel_values", "pixel_values_videos"]
+        if _is_vision_encoder(model):
+            patch_inputs.append("hidden_states")
+        return {
+            name: {1} for name in patch_inputs if isinstance(inputs.get(name), torch.Tensor) and inputs[name].dim() == 2
+        }
+
     def attention_windows(self, inputs: dict[str, Any]) -> dict[str, int]:
         return attention_windows(inputs)
+
+
+def _is_vision_encoder(model: torch.nn.Module) -> bool:
+    encoder = getattr(model, "encoder", model)  # VisionEncoderWithIndices wraps one
+    return getattr(getattr(encoder, "config", None), "patch_size", None) is not None
 
 
 TRANSFORMERS = TransformersFrontend()

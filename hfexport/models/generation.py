@@ -19,6 +19,7 @@ import torch
 
 from hfexport.errors import HfExportError
 from hfexport.models.frontend import normalize_inputs
+from hfexport.models.static_layers import with_encoder_length_cross_attention
 from hfexport.models.vision import VISION_INDEX_HELPERS, VisionEncoderWithIndices, recording_vision_indices
 from hfexport.pipeline.capture import copy_inputs, eval_mode
 from hfexport.pipeline.patches import patches_applied
@@ -73,11 +74,19 @@ def _clean(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
 def _with_attention_mask(kwargs: dict[str, Any], past: int) -> dict[str, Any]:
     """generate drops an all-ones attention mask; put it back (``past`` cached tokens + this
     call's) so the exported graph's inputs do not depend on whether the sample prompt had
-    padding. Encoder-decoder calls keep the encoder's mask and get none."""
-    if "attention_mask" in kwargs or "input_ids" not in kwargs:
+    padding. Encoder-decoder calls keep the encoder's mask and get none, and so do models whose
+    cache holds no attention keys (Mamba's recurrent states): their mask covers this call's tokens
+    only, and their generate passes none after the prompt."""
+    if "attention_mask" in kwargs or "input_ids" not in kwargs or not _has_attention_cache(kwargs):
         return kwargs
     batch, length = kwargs["input_ids"].shape[:2]
     return {**kwargs, "attention_mask": torch.ones(batch, past + length, dtype=torch.long)}
+
+
+def _has_attention_cache(kwargs: dict[str, Any]) -> bool:
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    layers = getattr(cache, "layers", None)
+    return layers is None or any(hasattr(layer, "keys") for layer in layers)
 
 
 def _with_prompt_mask(kwargs: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +160,7 @@ def decompose_for_generation(
     :class:`VisionEncoderWithIndices`, which takes them as inputs.
 
     A static cache's sliding-window layers are recorded as full-length
-    :class:`~hfexport.models.windowed_cache.WindowedStaticLayer` s, so one decode graph stays
+    :class:`~hfexport.models.static_layers.WindowedStaticLayer` s, so one decode graph stays
     correct before and after the window fills.
 
     With ``multi_token_decode=True`` the decode kwargs cover two merged steps, so the exported
@@ -186,8 +195,19 @@ def decompose_for_generation(
         raise HfExportError(
             f"generate made {len(calls)} forward calls, expected {new_tokens}; cannot tell prefill from decode"
         )
-    prefill = _with_prompt_mask(_clean(model, calls[0]), inputs)
-    decode = merge_decode_steps(calls[1], calls[2]) if multi_token_decode else calls[1]
+    prefill = with_encoder_length_cross_attention(_with_prompt_mask(_clean(model, calls[0]), inputs))
+    decode = calls[1]
+    if multi_token_decode:
+        merged = merge_decode_steps(calls[1], calls[2])
+        failure = _multi_token_decode_mismatch(model, calls[1:3], merged)
+        if failure is None:
+            decode = merged
+        else:
+            logger.warning(
+                "%s's decode cannot take several new tokens at once (%s); its decode graph takes one token per step",
+                type(model).__name__,
+                failure,
+            )
     # the cache can't always tell its length (SSM caches hold states, not tokens): count it
     prompt_length = prefill["input_ids"].shape[1] if "input_ids" in prefill else 0
     decode = _single_layer_type_mask(_with_attention_mask(_clean(model, decode), past=prompt_length))
@@ -210,6 +230,23 @@ def decompose_for_generation(
         components["prefill"] = (model, prefill)
     components["decode"] = (model, decode)
     return components
+
+
+def _multi_token_decode_mismatch(
+    model: torch.nn.Module, steps: list[dict[str, Any]], merged: dict[str, Any]
+) -> str | None:
+    """Why one decode call over two merged steps does not give the logits of the two steps
+    ``generate`` ran one at a time, or ``None`` when it does (run in eager mode, on copies).
+    Mamba's forward raises with a filled cache and several tokens or, in its full-sequence form,
+    restarts from a zero recurrent state: both are caught here."""
+    try:
+        with torch.no_grad(), eval_mode(model):
+            expected = [model(**copy_inputs(_clean(model, step))).logits[:, -1] for step in steps]
+            got = model(**copy_inputs(_clean(model, merged))).logits
+    except Exception as error:  # the model's own failure, reported as the reason
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    difference = max(float((got[:, i] - e).abs().max()) for i, e in enumerate(expected))
+    return None if difference <= 1e-4 else f"its logits differ from two single steps by {difference:.3g}"
 
 
 def _generation_submodules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -54,6 +54,11 @@ class Frontend:
         """Check ``model`` can be captured and return its keyword inputs as a new dict."""
         return as_input_dict(inputs)
 
+    def static_axes(self, model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, set[int]]:
+        """``{input: axes}`` the model's configuration fixes (a patch vector's width), left static
+        by ``dynamic=True``; default none."""
+        return {}
+
     def attention_windows(self, inputs: dict[str, Any]) -> dict[str, int]:
         """``{attention mask key: sliding window}`` of the caches in ``inputs``."""
         return {}
@@ -106,9 +111,11 @@ class AxisBounds:
 AxisBound = Callable[[int], int | None]  # axis index -> upper bound (None: unbounded)
 
 
-def auto_dynamic_shapes(inputs: dict[str, Any], axis_bound: AxisBound | None = None) -> Any:
+def auto_dynamic_shapes(
+    inputs: dict[str, Any], axis_bound: AxisBound | None = None, static_axes: Mapping[str, set[int]] | None = None
+) -> Any:
     """``dynamic_shapes`` marking every axis of every input tensor ``Dim.AUTO`` (bounded above by
-    ``axis_bound(axis)`` when given).
+    ``axis_bound(axis)`` when given), except the ``static_axes`` of top-level input tensors.
 
     torch.export expects a registered custom pytree node (a cache) to be described by the list of
     its children's specs, so those are expanded one level at a time.
@@ -136,7 +143,11 @@ def auto_dynamic_shapes(inputs: dict[str, Any], axis_bound: AxisBound | None = N
             return [axes(child, True) for child in children]
         return None
 
-    return {name: axes(value) for name, value in inputs.items()}
+    shapes = {name: axes(value) for name, value in inputs.items()}
+    for name, fixed in (static_axes or {}).items():
+        if isinstance(shapes.get(name), dict):
+            shapes[name] = {axis: dim for axis, dim in shapes[name].items() if axis not in fixed}
+    return shapes
 
 
 def bound_dynamic_shapes(dynamic_shapes: Any, axis_bound: AxisBound) -> Any:
@@ -308,7 +319,7 @@ def capture(
     frontend = frontend or Frontend()
     inputs = frontend.prepare(model, inputs)
     if config.dynamic:
-        dynamic_shapes = auto_dynamic_shapes(inputs, bounds)
+        dynamic_shapes = auto_dynamic_shapes(inputs, bounds, frontend.static_axes(model, inputs))
     else:
         dynamic_shapes = config.dynamic_shapes
         if isinstance(dynamic_shapes, Mapping):
@@ -344,21 +355,44 @@ def capture(
     table = input_axes(program, inputs, dynamic_shapes)
     for row in table:
         if row.requested_dynamic and not row.dynamic:
+            why = (
+                "torch.export fixes axes of size 0 and 1: export from a sample where this axis is larger than 1"
+                if row.size <= 1
+                else "the model's code fixed it while tracing (a Python branch or loop over its size, such as "
+                "Mamba's sequential scan); TORCH_LOGS=+dynamic shows where"
+            )
             logger.warning(
-                "torch.export specialised input %r axis %d to its sample size %d although it was asked "
-                "to be dynamic; the program only accepts that size on this axis. Export from a sample "
-                "where this axis is larger than 1.",
+                "input %r axis %d was asked to be dynamic but the program only accepts its sample size %d: %s",
                 row.input,
                 row.axis,
                 row.size,
+                why,
             )
     return Captured(program, table, bounds, frontend.attention_windows(inputs), batch_widened=widened is not None)
+
+
+class _DropSpecialisationLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "0/1 specialized" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _without_torch_specialisation_lines() -> Iterator[None]:
+    """torch.export logs a warning per 0/1-specialised axis; capture reports each such axis itself,
+    once, saying what to do (see :func:`capture`), so torch's lines are dropped while tracing."""
+    torch_logger = logging.getLogger("torch._export.non_strict_utils")
+    dropped = _DropSpecialisationLines()
+    torch_logger.addFilter(dropped)
+    try:
+        yield
+    finally:
+        torch_logger.removeFilter(dropped)
 
 
 def _trace(model: torch.nn.Module, inputs: dict[str, Any], dynamic_shapes: Any, config: Any) -> Any:
     traced_inputs = copy_inputs(inputs)
     try:
-        with eval_mode(model), patches_applied(scope="capture"):
+        with eval_mode(model), patches_applied(scope="capture"), _without_torch_specialisation_lines():
             return torch.export.export(
                 model,
                 (),

@@ -203,6 +203,12 @@ class ExportFolder:
         """The step function of the folder's static-cache ``decode`` for :func:`~hfexport.generation.greedy_decode`."""
         decode = self.manifest.component("decode")
         ids = next((i for i in decode.inputs if i.path == "input_ids"), None)
+        if ids is not None and ids.dynamic and 1 not in ids.dynamic and ids.shape[1] == 1:
+            raise HfExportError(
+                f"the decode graph in {self.folder} takes one token per step (the model's forward cannot take "
+                "several new tokens with a filled cache, e.g. a recurrent state), and hfexport's decode loop "
+                "feeds the whole prompt to it first; run the folder's prefill and decode programs yourself"
+            )
         if ids is not None and 1 not in ids.dynamic:
             raise HfExportError(
                 f"the decode graph in {self.folder} takes exactly {ids.shape[1]} query tokens (exported with static "

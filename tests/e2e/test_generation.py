@@ -2,6 +2,7 @@
 exported static-cache decode graph, token for token against model.generate."""
 
 import copy
+import logging
 import subprocess
 import sys
 
@@ -78,7 +79,7 @@ def test_static_multi_token_decode_generates_the_same_tokens(preset):
 def test_sliding_window_decode_applies_the_window_past_it():
     from transformers import cache_utils
 
-    from hfexport.models.windowed_cache import WindowedStaticLayer
+    from hfexport.models.static_layers import WindowedStaticLayer
 
     model = build("tiny-gemma3")
     prompt = sample_inputs(model, 2, 6)
@@ -98,6 +99,25 @@ def test_sliding_window_decode_applies_the_window_past_it():
     unwindowed.masks.windows = {}
     tokens = greedy_decode(unwindowed, prompt["input_ids"], 16, 32, prompt["attention_mask"])
     assert not torch.equal(tokens, expected)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "cohere2"])
+def test_sliding_window_families_decode_past_the_window_token_for_token(family):
+    # tiny-gemma3 (sdpa, sliding + full) is covered above; these add a model whose layers all slide
+    # (one mask, windowed), a layer-count split, and two on eager attention (additive float masks)
+    from models import SLIDING_WINDOW_FAMILIES, build_sliding_window
+
+    model = build_sliding_window(family)
+    prompt = sample_inputs(model, 2, 6)
+    programs = DynamoExporter().export_for_generation(
+        model, prompt, DynamoConfig(dynamic=True), STATIC, multi_token_decode=True
+    )
+    decoder = DynamoDecoder(programs["decode"], batch_size=2)
+    assert decoder.masks.windows == {"sliding_attention": 4}
+    tokens = greedy_decode(decoder, prompt["input_ids"], 16, 32, prompt["attention_mask"])  # 6 + 16 tokens > 4
+    assert torch.equal(tokens, reference_tokens(model, prompt))
+    if SLIDING_WINDOW_FAMILIES[family][3] == "eager":
+        assert all(dtype == torch.float32 for dtype in decoder.masks.dtypes.values())
 
 
 def test_decode_masks_apply_the_window_and_reject_other_layer_types():
@@ -304,6 +324,25 @@ def test_encoder_decoder_components_match_eager_on_dynamo_and_onnx(kind):
         assert list(programs) == ["encoder", "prefill", "decode"]
 
 
+def test_encoder_decoder_static_prefill_takes_another_source_length():
+    # generate sizes the static cross-attention cache to the sample's source length (an int); the
+    # prefill's cross-attention layers take their length from the encoder states instead
+    from models import build_encoder_decoder
+
+    from hfexport.models.static_layers import EncoderLengthStaticLayer
+
+    model, inputs = build_encoder_decoder("t5")
+    programs = DynamoExporter().export_for_generation(model, inputs, DynamoConfig(dynamic=True, verify=True), STATIC)
+    longer = {"input_ids": torch.randint(3, 128, (3, 11)), "attention_mask": torch.ones(3, 11, dtype=torch.long)}
+    longer["attention_mask"][0, 8:] = 0
+    _, prefill = decompose_for_generation(model, longer, STATIC)["prefill"]
+    assert all(isinstance(layer, EncoderLengthStaticLayer) for layer in prefill["cache"].cross_attention_cache.layers)
+    with torch.no_grad():
+        expected = model(**copy.deepcopy(prefill)).logits
+        got = programs["prefill"].module()(**copy.deepcopy(prefill)).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["bart", "t5", "whisper"])
 def test_encoder_decoder_components_match_eager_on_executorch(kind):
     from models import build_encoder_decoder
@@ -317,7 +356,7 @@ def test_encoder_decoder_components_match_eager_on_executorch(kind):
     assert list(programs) == ["encoder", "prefill", "decode"]
 
 
-def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache():
+def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache(caplog):
     from models import build_mamba
 
     from hfexport import ExecutorchConfig, ExecutorchExporter, OnnxConfig, OnnxExporter
@@ -325,14 +364,25 @@ def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache():
     model, inputs = build_mamba()
     components = decompose_for_generation(model, inputs)
     assert set(components) == {"prefill", "decode"}
-    decode_cache = components["decode"][1]["cache"]
-    assert decode_cache.layers[0].conv_states  # the recurrent state is the cache
-    for exporter, config in [
-        (DynamoExporter(), DynamoConfig(dynamic=True, verify=True)),
-        (OnnxExporter(), OnnxConfig(dynamic=True, verify=True)),
-        (ExecutorchExporter(), ExecutorchConfig(dynamic=True, verify=True)),  # no length limit: the default bound
+    _, decode = components["decode"]
+    assert decode["cache"].layers[0].conv_states  # the recurrent state is the cache
+    # Mamba masks this call's tokens only and generate passes none after the prompt: a [2, 7] mask
+    # would broadcast the one new token to seven
+    assert "attention_mask" not in decode
+
+    # the command line's default (static cache, multi-token decode): Mamba's forward restarts from a
+    # zero state for several tokens, so the decode graph takes one token per step
+    caplog.set_level(logging.WARNING, logger="hfexport")
+    decode = decompose_for_generation(model, inputs, STATIC, multi_token_decode=True)["decode"][1]
+    assert decode["input_ids"].shape == (2, 1)
+    assert "MambaForCausalLM's decode cannot take several new tokens at once" in caplog.text
+    for exporter, config, generation in [
+        (DynamoExporter(), DynamoConfig(dynamic=True, verify=True), (None, False)),
+        (OnnxExporter(), OnnxConfig(dynamic=True, verify=True), (STATIC, True)),
+        # no length limit in Mamba's config: the default bound
+        (ExecutorchExporter(), ExecutorchConfig(dynamic=True, verify=True), (STATIC, True)),
     ]:
-        assert set(exporter.export_for_generation(model, inputs, config)) == {"prefill", "decode"}
+        assert set(exporter.export_for_generation(model, inputs, config, *generation)) == {"prefill", "decode"}
 
 
 def test_llava_components_include_the_image_encoder_and_projector():
@@ -358,10 +408,9 @@ def test_llava_components_include_the_image_encoder_and_projector():
 
 def test_qwen2_vl_components_have_an_image_encoder_and_no_separate_projector():
     from models import build_qwen2_vl
-    from torch.export import Dim
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
 
-    from hfexport import ExecutorchConfig, ExecutorchExporter, OnnxConfig, OnnxExporter
+    from hfexport import ExecutorchConfig, OnnxConfig, run_for_generation
     from hfexport.models.vision import VisionEncoderWithIndices
 
     model, inputs = build_qwen2_vl()
@@ -376,24 +425,14 @@ def test_qwen2_vl_components_have_an_image_encoder_and_no_separate_projector():
     assert torch.equal(kwargs["cu_seqlens"], get_vision_cu_seqlens(grid))
     assert components["language_model"][1]["inputs_embeds"].shape[1] == inputs["input_ids"].shape[1]
 
-    # every axis dynamic would make the patch width (3 x 2 x 14 x 14) symbolic too: the encoder gets
-    # explicit shapes, patches in whole merge blocks of 4
-    patches = 4 * Dim("image_tokens", min=1, max=256)
-    encoder_shapes = {
-        "hidden_states": {0: patches},
-        "grid_thw": {0: Dim.AUTO},
-        "position_ids": {0: patches},
-        "cu_seqlens": {0: Dim.AUTO},
-    }
-    for exporter, config_class, extra in [
-        (DynamoExporter(), DynamoConfig, {}),
-        (OnnxExporter(), OnnxConfig, {}),
-        (ExecutorchExporter(), ExecutorchConfig, {}),
-    ]:
-        configs = {name: config_class(dynamic=True, verify=True, **extra) for name in components}
-        configs["image_encoder"] = config_class(dynamic_shapes=encoder_shapes, verify=True, **extra)
-        programs = exporter.export_for_generation(model, inputs, configs)  # verify: each within 1e-4 of eager
-        assert list(programs) == list(components)
+    # dynamic=True alone, one capture per component for the three targets: the patch width
+    # (3 x 2 x 14 x 14) stays static, the patch count dynamic; verify: each within 1e-4 of eager
+    configs = [config(dynamic=True, verify=True) for config in (DynamoConfig, OnnxConfig, ExecutorchConfig)]
+    results = run_for_generation(model, inputs, configs)
+    assert list(results) == list(components)
+    axes = {(a.input, a.axis): a.dynamic for a in results["image_encoder"]["onnx"].input_axes}
+    assert axes[("hidden_states", 0)] and not axes[("hidden_states", 1)]
+    assert all(set(by_target) == {"dynamo", "onnx", "executorch"} for by_target in results.values())
 
 
 def test_sliding_window_that_never_fills_exports_with_the_default_dynamic_cache():

@@ -10,6 +10,7 @@ from models import build, eager, main_output, sample_inputs
 from hfexport import (
     AutoExportConfig,
     AutoHfExporter,
+    ExportFolder,
     HfExportError,
     OnnxConfig,
     OnnxExporter,
@@ -166,3 +167,22 @@ def test_constant_inputs_do_not_shift_the_input_names(tmp_path):
     torch.testing.assert_close(got, eager(model, sample).logits, atol=1e-4, rtol=0)
     with pytest.raises(HfExportError, match="'use_cache' was exported as the constant False, got True"):
         runner.run({**sample, "use_cache": True})
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_multimodal_single_graph_runs_in_onnx_runtime(kind, tmp_path):
+    # LLaVA checks its image-token count with a tensor .all() (aten._is_all_true, which torch.onnx
+    # has no function for) and returns None entries in its image outputs; Qwen2-VL takes flattened
+    # patch vectors whose width must stay static and its 3-section rope positions precomputed
+    from models import build_llava, build_qwen2_vl
+
+    model, inputs = build_llava() if kind == "llava" else build_qwen2_vl()
+    if kind == "qwen2_vl":
+        image_tokens = (inputs["input_ids"] == model.config.image_token_id).int()
+        inputs["position_ids"], _ = model.model.get_rope_index(
+            inputs["input_ids"], image_tokens, inputs["image_grid_thw"], None, attention_mask=inputs["attention_mask"]
+        )
+    result = OnnxExporter().run(model, inputs, OnnxConfig(dynamic=True))
+    save_export(tmp_path, {"model": result})
+    logits = torch.as_tensor(ExportFolder(tmp_path).runner().run(inputs)[0])
+    torch.testing.assert_close(logits, eager(model, inputs).logits, atol=1e-4, rtol=0)

@@ -63,12 +63,16 @@ class DynamoDecoder:
 
         from hfexport.generation import DecodeMasks
         from hfexport.models.caches import register_cache_pytrees
-        from hfexport.models.windowed_cache import attention_windows
+        from hfexport.models.static_layers import attention_windows
 
         register_cache_pytrees()
         _, example = program.example_inputs
         mask = example["attention_mask"]
-        self.masks = DecodeMasks(list(mask) if isinstance(mask, dict) else None, attention_windows(example))
+        if isinstance(mask, dict):
+            dtypes = {f"attention_mask.{key}": value.dtype for key, value in mask.items()}
+        else:
+            dtypes = {"attention_mask": mask.dtype}
+        self.masks = DecodeMasks(list(mask) if isinstance(mask, dict) else None, attention_windows(example), dtypes)
         passed = {"input_ids", "attention_mask", "position_ids", "cache"}
         self.constants = {k: v for k, v in example.items() if k not in passed}
         self.cache = pytree.tree_map(

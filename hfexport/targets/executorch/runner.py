@@ -108,7 +108,11 @@ class ExecutorchDecoder:
         outputs = self.spec.outputs
         self.written_at = {o.writes: i for i, o in enumerate(outputs) if o.kind == "write_back"}
         self.logits_index = next(i for i, o in enumerate(outputs) if o.kind == "tensor")
-        self.masks = DecodeMasks.from_input_paths([i.path for i in self.spec.fed], self.spec.attention_windows)
+        self.masks = DecodeMasks.from_input_paths(
+            [i.path for i in self.spec.fed],
+            self.spec.attention_windows,
+            {i.path: getattr(torch, i.dtype) for i in self.spec.fed if i.path.startswith("attention_mask")},
+        )
 
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.export.graph_signature import OutputKind, TensorArgument
+from torch.export.graph_signature import ConstantArgument, OutputKind, TensorArgument
 
 from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind
 from hfexport.pipeline.capture import Captured
@@ -58,6 +58,8 @@ def onnx_component(program: torch.export.ExportedProgram, captured: Captured | N
     user_outputs = [s for s in signature.output_specs if s.kind == OutputKind.USER_OUTPUT]
     outputs = []
     for spec, path in zip(user_outputs, program_io_names(program)[1], strict=True):
+        if isinstance(spec.arg, ConstantArgument):
+            continue  # a constant output (None in a model output's tuple) is not an ONNX graph output
         target = written.get(getattr(spec.arg, "name", None))
         if target is not None:
             outputs.append(OutputSpec(f"output.{target}", path, "write_back", target))
@@ -65,6 +67,15 @@ def onnx_component(program: torch.export.ExportedProgram, captured: Captured | N
             kind = "tensor" if isinstance(spec.arg, TensorArgument) else "scalar"
             outputs.append(OutputSpec(f"present.{path}" if path in taken else path, path, kind))
     return ComponentSpec("", inputs, outputs, **captured_facts(captured))
+
+
+def _missing_translations() -> dict[Any, Any]:
+    """ONNX functions for ops torch.onnx has none for. ``aten._is_all_true`` comes from a model's
+    ``torch._check((tensor).all())``-style checks (LLaVA's image-token count check) and is
+    ``aten.all``."""
+    from onnxscript.function_libs.torch_lib.ops.core import aten_all
+
+    return {torch.ops.aten._is_all_true.default: aten_all}
 
 
 def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None) -> torch.onnx.ONNXProgram:
@@ -80,7 +91,8 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
             optimize=False,
             opset_version=opset_version,
             input_names=fed,
-            output_names=program_io_names(program)[1],
+            output_names=[o.path for o in onnx_component(program).outputs],
+            custom_translation_table=_missing_translations(),
             verbose=False,
         )
     # which inputs are written in place is read off the functionalised program torch.onnx translated

@@ -114,7 +114,11 @@ class OnnxDecoder:
                 self.outputs[spec.path] = pairs[spec.name]
         self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
         self.logits_name = next(o.name for o in self.spec.outputs if o.kind == "tensor")
-        self.masks = DecodeMasks.from_input_paths([i.path for i in self.spec.fed], self.spec.attention_windows)
+        self.masks = DecodeMasks.from_input_paths(
+            [i.path for i in self.spec.fed],
+            self.spec.attention_windows,
+            {i.path: getattr(torch, i.dtype) for i in self.spec.fed if i.path.startswith("attention_mask")},
+        )
         self.input_name = {spec.path: spec.name for spec in self.spec.fed}
         self.binding = self.session.io_binding()
         for path, buffer in self.cache.items():
