@@ -66,7 +66,13 @@ def _export(args: argparse.Namespace) -> int:
         from transformers import GenerationConfig
 
         generation_config = GenerationConfig(cache_implementation="static", max_cache_len=args.max_cache_len)
-        by_component = run_for_generation(model, inputs, configs, generation_config, True, progress)
+
+        def announce(name: str, index: int, count: int) -> None:
+            print(f"component {index + 1}/{count}: {name}", file=sys.stderr, flush=True)
+
+        by_component = run_for_generation(
+            model, inputs, configs, generation_config, True, progress, on_component=announce
+        )
         for export_format, folder in folders.items():
             results = {name: by_target[export_format] for name, by_target in by_component.items()}
             # a recurrent decode (Mamba) takes one token per step even when several were asked for

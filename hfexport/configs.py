@@ -180,7 +180,8 @@ class ExecutorchConfig(DynamoConfig):
             buffers, or the caller provides them).
         max_seq_len: upper bound of every unbounded dynamic axis other than the batch axis;
             ``None`` is 1024, capped by the model config's own length limit
-            (``max_position_embeddings``, ``n_positions``, ``max_target_positions``, …) when it has one.
+            (``max_position_embeddings``, ``n_positions``, ``max_target_positions``, …) when it has one;
+            for generation components that write a static cache, the cache length.
         max_batch_size: upper bound of every unbounded dynamic batch axis (axis 0).
         max_planned_memory_mb: the largest memory plan accepted (MiB, all planned buffers of the
             program); ``None`` is half of this machine's memory. A program over it is an error

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -193,16 +193,20 @@ def run_for_generation(
     multi_token_decode: bool = False,
     instruments: Sequence[Instrument] = (),
     exporters: Sequence[HfExporter] | None = None,
+    on_component: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, dict[str, PipelineResult]]:
     """Export each component of ``model``'s generation loop to each target of ``configs`` (each a
     config, or ``{component: config}``), one capture per component: ``{component: {export_format:
     result}}``. With a ``dump_dir``, each component dumps into its own subfolder. A failing component
-    raises :class:`~hfexport.HfExportError` naming it."""
+    raises :class:`~hfexport.HfExportError` naming it. ``on_component(name, index, count)`` is
+    called as each component starts (the command line prints a progress line)."""
     from hfexport.models.generation import decompose_for_generation
 
     components = decompose_for_generation(model, inputs, generation_config, multi_token_decode)
     results = {}
-    for name, (module, kwargs) in components.items():
+    for index, (name, (module, kwargs)) in enumerate(components.items()):
+        if on_component is not None:
+            on_component(name, index, len(components))
         component_configs = []
         for config in configs:
             if isinstance(config, dict) and name not in config:
@@ -211,6 +215,10 @@ def run_for_generation(
                     f"give one for each of: {', '.join(components)}"
                 )
             config = copy.deepcopy(config[name] if isinstance(config, dict) else config)
+            cache_len = getattr(generation_config, "max_cache_len", None)
+            if cache_len and "cache" in kwargs and getattr(config, "max_seq_len", 0) is None:
+                # a component writing a static cache never sees more tokens than it holds
+                config.max_seq_len = cache_len
             if config.dump_dir:
                 config.dump_dir = str(Path(config.dump_dir) / name)
             component_configs.append(config)

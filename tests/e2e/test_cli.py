@@ -105,8 +105,17 @@ def test_export_executorch(tmp_path):
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-gemma3"])
 def test_export_for_generation_then_generate(tmp_path, preset):
     out = tmp_path / "gen"
-    run("export", preset, "--format", "dynamo", "--dynamic", "--generation", "--max-cache-len", "32", "--out", out)
+    export = run(
+        "export", preset, "--format", "dynamo", "--dynamic", "--generation", "--max-cache-len", "32", "--out", out
+    )
     assert (out / "prefill.pt2").is_file() and (out / "decode.pt2").is_file()
+    # progress per component and per stage
+    lines = export.stderr.splitlines()
+    assert [line for line in lines if line.startswith("component ")] == [
+        "component 1/2: prefill",
+        "component 2/2: decode",
+    ]
+    assert sum(line.startswith("[1/2] capture done") for line in lines) == 2
     result = run("generate", out, "--prompt-ids", "5,9,14,2,77", "--max-new-tokens", "8")
     model = build(preset)
     with torch.no_grad():

@@ -228,6 +228,12 @@ def test_spec_decode_loop_on_a_saved_program(tmp_path, preset):
     generated = eval(result.stdout.strip().splitlines()[-1])
     assert generated == reference_tokens(model, prompt)[0, 6:].tolist()
 
+    # exported from one prompt, the decode graph takes three (its batch axis was widened at capture)
+    prompts = sample_inputs(model, 3, 7, seed=4)
+    decoder = DynamoDecoder(programs["decode"], batch_size=3)
+    tokens = greedy_decode(decoder, prompts["input_ids"], 8, decoder.max_cache_len, prompts["attention_mask"])
+    assert torch.equal(tokens, reference_tokens(model, prompts, 8))
+
 
 def export_folder(model, prompt, config, folder):
     """Export the generation components, save them with their manifest, and open the folder."""
@@ -263,6 +269,8 @@ def test_executorch_static_decode_generates_the_same_tokens(preset, tmp_path):
     model = build(preset)
     prompt = sample_inputs(model, 2, 6)
     export = export_folder(model, prompt, ExecutorchConfig(dynamic=True, verify=True), tmp_path)
+    ids = next(i for i in export.manifest.component("decode").inputs if i.path == "input_ids")
+    assert ids.dynamic[1] == [1, 32]  # the memory plan is bounded by the static cache length
     decoder = export.decoder(batch_size=2)
     tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
     assert torch.equal(tokens, reference_tokens(model, prompt))

@@ -52,7 +52,10 @@ class OnnxRunner(Runner):
     ) -> None:
         import onnxruntime
 
-        self.session = onnxruntime.InferenceSession(str(path), providers=list(providers))
+        options = onnxruntime.SessionOptions()
+        # errors only: ONNX Runtime warns about every node its constant folding has no CPU kernel for
+        options.log_severity_level = 3
+        self.session = onnxruntime.InferenceSession(str(path), options, providers=list(providers))
         if spec is None:
             found = Manifest.find(path)
             spec = found[0].component(found[1]) if found else _session_spec(self.session)
