@@ -70,13 +70,15 @@ def _export(args: argparse.Namespace) -> int:
         def announce(name: str, index: int, count: int) -> None:
             print(f"component {index + 1}/{count}: {name}", file=sys.stderr, flush=True)
 
+        components = [c.strip() for c in args.components.split(",") if c.strip()] if args.components else None
         by_component = run_for_generation(
-            model, inputs, configs, generation_config, True, progress, on_component=announce
+            model, inputs, configs, generation_config, True, progress, on_component=announce, components=components
         )
         for export_format, folder in folders.items():
             results = {name: by_target[export_format] for name, by_target in by_component.items()}
             # a recurrent decode (Mamba) takes one token per step even when several were asked for
-            query = results["decode"].captured.sample_shapes.get("input_ids", [0, 1])[1]
+            decode = results.get("decode")
+            query = decode.captured.sample_shapes.get("input_ids", [0, 1])[1] if decode else 1
             generation = {"max_cache_len": args.max_cache_len, "multi_token_decode": query > 1}
             manifest = save_export(folder, results, generation=generation, model_folder=model_folder(args.model))
             for spec in manifest.components.values():
@@ -166,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--generation", action="store_true", help="export prefill and a static-cache decode graph (implies --dynamic)"
     )
     export.add_argument("--max-cache-len", type=int, default=64, help="static cache length with --generation")
+    export.add_argument(
+        "--components",
+        help="with --generation, the comma-separated components to export (default all; `hfexport generate` "
+        "needs only decode)",
+    )
     export.set_defaults(run=_export)
 
     generate = commands.add_parser(

@@ -194,19 +194,29 @@ def run_for_generation(
     instruments: Sequence[Instrument] = (),
     exporters: Sequence[HfExporter] | None = None,
     on_component: Callable[[str, int, int], None] | None = None,
+    components: Sequence[str] | None = None,
 ) -> dict[str, dict[str, PipelineResult]]:
     """Export each component of ``model``'s generation loop to each target of ``configs`` (each a
     config, or ``{component: config}``), one capture per component: ``{component: {export_format:
     result}}``. With a ``dump_dir``, each component dumps into its own subfolder. A failing component
     raises :class:`~hfexport.HfExportError` naming it. ``on_component(name, index, count)`` is
-    called as each component starts (the command line prints a progress line)."""
+    called as each component starts (the command line prints a progress line). ``components``
+    names the ones to export (default: all); hfexport's decode loops need only ``decode`` when it
+    takes several tokens (``multi_token_decode=True``)."""
     from hfexport.models.generation import decompose_for_generation
 
-    components = decompose_for_generation(model, inputs, generation_config, multi_token_decode)
+    found = decompose_for_generation(model, inputs, generation_config, multi_token_decode)
+    unknown = sorted(set(components or ()) - set(found))
+    if unknown:
+        raise ConfigError(
+            f"{type(model).__name__} has no generation component {', '.join(unknown)}; its components: "
+            f"{', '.join(found)}"
+        )
+    selected = {name: found[name] for name in found if components is None or name in components}
     results = {}
-    for index, (name, (module, kwargs)) in enumerate(components.items()):
+    for index, (name, (module, kwargs)) in enumerate(selected.items()):
         if on_component is not None:
-            on_component(name, index, len(components))
+            on_component(name, index, len(selected))
         component_configs = []
         for config in configs:
             if isinstance(config, dict) and name not in config:

@@ -64,19 +64,40 @@ class TransformersFrontend(Frontend):
         return normalize_inputs(inputs, model)
 
     def static_axes(self, model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, set[int]]:
-        """The width of flattened patch vectors (``[patches, channels x temporal x patch x patch]``):
-        Qwen2-VL-style ``pixel_values`` and the ``hidden_states`` its vision encoder takes. The
-        vision config fixes it, and left symbolic it reaches ONNX as a symbolic convolution width
-        (ONNX Runtime then rejects the Conv's bias)."""
+        """Axes the model or its cache fixes:
+
+        - the width of flattened patch vectors (``[patches, channels x temporal x patch x patch]``):
+          Qwen2-VL-style ``pixel_values`` and the ``hidden_states`` its vision encoder takes. The
+          vision config fixes it, and left symbolic it reaches ONNX as a symbolic convolution width
+          (ONNX Runtime then rejects the Conv's bias);
+        - a 4-D attention mask's head axis (1, broadcast) and, with a static cache in the inputs,
+          its key axis (the cache length).
+        """
         patch_inputs = ["pixel_values", "pixel_values_videos"]
         if _is_vision_encoder(model):
             patch_inputs.append("hidden_states")
-        return {
+        fixed = {
             name: {1} for name in patch_inputs if isinstance(inputs.get(name), torch.Tensor) and inputs[name].dim() == 2
         }
+        key_axis = {3} if _has_static_cache(inputs) else set()
+        for name, value in inputs.items():
+            masks = list(value.values()) if isinstance(value, dict) else [value]
+            if name.endswith("attention_mask") and all(isinstance(m, torch.Tensor) and m.dim() == 4 for m in masks):
+                fixed[name] = {1, *key_axis}
+        return fixed
 
     def attention_windows(self, inputs: dict[str, Any]) -> dict[str, int]:
         return attention_windows(inputs)
+
+
+def _has_static_cache(inputs: dict[str, Any]) -> bool:
+    from transformers import cache_utils
+
+    for value in inputs.values():
+        for cache in (value, getattr(value, "self_attention_cache", None)):
+            if any(isinstance(layer, cache_utils.StaticLayer) for layer in getattr(cache, "layers", ())):
+                return True
+    return False
 
 
 def _is_vision_encoder(model: torch.nn.Module) -> bool:

@@ -115,7 +115,8 @@ def auto_dynamic_shapes(
     inputs: dict[str, Any], axis_bound: AxisBound | None = None, static_axes: Mapping[str, set[int]] | None = None
 ) -> Any:
     """``dynamic_shapes`` marking every axis of every input tensor ``Dim.AUTO`` (bounded above by
-    ``axis_bound(axis)`` when given), except the ``static_axes`` of top-level input tensors.
+    ``axis_bound(axis)`` when given), except the ``static_axes`` of top-level inputs (a tensor, or
+    each tensor of a dict).
 
     torch.export expects a registered custom pytree node (a cache) to be described by the list of
     its children's specs, so those are expanded one level at a time.
@@ -143,10 +144,17 @@ def auto_dynamic_shapes(
             return [axes(child, True) for child in children]
         return None
 
+    def without(spec: Any, fixed: set[int]) -> Any:
+        if isinstance(spec, dict) and all(isinstance(key, int) for key in spec):  # one tensor's axes
+            return {axis: dim for axis, dim in spec.items() if axis not in fixed}
+        if isinstance(spec, dict):  # a dict of tensors (per-layer-type masks)
+            return {key: without(item, fixed) for key, item in spec.items()}
+        return spec
+
     shapes = {name: axes(value) for name, value in inputs.items()}
     for name, fixed in (static_axes or {}).items():
-        if isinstance(shapes.get(name), dict):
-            shapes[name] = {axis: dim for axis, dim in shapes[name].items() if axis not in fixed}
+        if name in shapes:
+            shapes[name] = without(shapes[name], fixed)
     return shapes
 
 

@@ -125,6 +125,22 @@ def test_export_for_generation_then_generate(tmp_path, preset):
     assert result.stdout.strip().splitlines()[-1] == ",".join(map(str, expected[0, 5:].tolist()))
 
 
+def test_generation_export_of_the_decode_component_alone_generates(tmp_path):
+    out = tmp_path / "gen"
+    export = run("export", "tiny-llama", "--generation", "--components", "decode", "--out", out)
+    assert [line for line in export.stderr.splitlines() if line.startswith("component ")] == ["component 1/1: decode"]
+    assert (out / "decode.pt2").is_file() and not (out / "prefill.pt2").exists()
+    result = run("generate", out, "--prompt-ids", "5,9,14", "--max-new-tokens", "4")
+    model = build("tiny-llama")
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([[5, 9, 14]]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert result.stdout.strip().splitlines()[-1] == ",".join(map(str, expected[0, 3:].tolist()))
+    wrong = run("export", "tiny-llama", "--generation", "--components", "encoder", "--out", tmp_path / "x", check=False)
+    assert (
+        wrong.returncode != 0 and "has no generation component encoder; its components: prefill, decode" in wrong.stderr
+    )
+
+
 def test_generation_export_with_no_options_generates(tmp_path):
     # --generation implies --dynamic: a static decode graph could not take a prompt, then one token
     out = tmp_path / "gen"

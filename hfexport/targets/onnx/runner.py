@@ -41,7 +41,8 @@ class OnnxRunner(Runner):
 
     ``spec`` is the component's manifest entry; by default it is read from the ``hfexport.json``
     next to the file. A model saved without one (``onnx_program.save``) runs with its session's
-    names and without the exported bounds.
+    names and without the exported bounds. ``threads``: ONNX Runtime's intra-op threads (default:
+    one per core).
     """
 
     def __init__(
@@ -49,12 +50,15 @@ class OnnxRunner(Runner):
         path: str | Path,
         spec: ComponentSpec | None = None,
         providers: tuple[str, ...] = ("CPUExecutionProvider",),
+        threads: int | None = None,
     ) -> None:
         import onnxruntime
 
         options = onnxruntime.SessionOptions()
         # errors only: ONNX Runtime warns about every node its constant folding has no CPU kernel for
         options.log_severity_level = 3
+        if threads is not None:
+            options.intra_op_num_threads = threads
         self.session = onnxruntime.InferenceSession(str(path), options, providers=list(providers))
         if spec is None:
             found = Manifest.find(path)
@@ -99,10 +103,12 @@ class OnnxDecoder:
     copies between steps.
     """
 
-    def __init__(self, path: str | Path, batch_size: int, spec: ComponentSpec | None = None) -> None:
+    def __init__(
+        self, path: str | Path, batch_size: int, spec: ComponentSpec | None = None, threads: int | None = None
+    ) -> None:
         from hfexport.generation import DecodeMasks
 
-        runner = OnnxRunner(path, spec)
+        runner = OnnxRunner(path, spec, threads=threads)
         self.session, self.spec = runner.session, runner.spec
         types = {i.name: i.type for i in self.session.get_inputs()}
         pairs = self.spec.write_backs

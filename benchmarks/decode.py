@@ -1,0 +1,321 @@
+"""Decode speed against the machine's memory-bandwidth bound, per target, in one run.
+
+    python benchmarks/decode.py                                  # SmolLM2-135M and a mid-size Llama, every target
+    python benchmarks/decode.py --models mid-llama --targets onnx --threads 1
+
+For each model (SmolLM2-135M-Instruct with its real weights, and a mid-size random Llama) and each
+target, the script exports the generation ``decode`` graph (static cache, multi-token decode: the
+one graph serves the prompt and every step) and measures:
+
+- export time per stage and the peak RSS, the artifact size, the time to load it;
+- time to first token, prefill tokens/s and decode tokens/s of greedy generation on a chat prompt
+  (median of ``--repeats`` runs after one warm-up run), next to eager PyTorch's ``generate``
+  (static cache) in the same process;
+- the memory bandwidth of the machine (a 1 GiB copy), the bytes read per decoded token (the weights,
+  and the static KV cache, which every step attends over) and the fraction of the bound
+  (bandwidth / bytes) reached;
+- greedy agreement with eager fp32: the number of leading new tokens identical to
+  ``model.generate(do_sample=False)`` (token-exact is all of them).
+
+Writes ``decode.md`` (the table) and ``decode.png`` (tokens/s per target against each model's
+bound) into ``--out``. Ratios are what to read: the machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hfexport import AutoExportConfig, ExportFolder, run_for_generation, save_export
+from hfexport.generation import greedy_decode
+from hfexport.pipeline.instruments import TimingInstrument
+from hfexport.presets import PRESETS, load_model, model_folder
+from hfexport.targets.onnx import OnnxDecoder
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stages_and_latency import SIZES  # the mid-size Llama of the stage benchmark
+
+QUESTION = "What is the capital of France? Answer in one sentence, then name two famous museums there."
+
+
+@dataclass
+class Row:
+    model: str
+    target: str
+    export_seconds: float = 0.0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    peak_rss_mb: float = 0.0
+    artifact_mb: float = 0.0
+    load_seconds: float = 0.0
+    first_token_seconds: float = 0.0
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    bound_tps: float = 0.0
+    agreement: str = ""
+
+
+def memory_bandwidth_gbs(repeats: int = 5) -> float:
+    """Bytes moved per second (read + write) by the fastest of ``repeats`` 1 GiB tensor copies."""
+    source = torch.ones(2**28)  # 1 GiB of float32
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() * 4 / best / 1e9
+
+
+def bytes_per_token(model: torch.nn.Module, cache_tokens: int) -> float:
+    """What one decode step reads at least: every weight once (tied weights once) and the keys and
+    values of ``cache_tokens`` cached tokens."""
+    weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = 2 * config.num_hidden_layers * heads * head_dim * cache_tokens * 4
+    return sum(weights.values()) + cache
+
+
+def build_model(name: str) -> tuple[torch.nn.Module, Path | None]:
+    if name == "mid-llama":
+        return PRESETS["tiny-llama"].build(**SIZES["mid"]), None
+    return load_model(name), model_folder(name)
+
+
+def prompt_ids(model_name: str, folder: Path | None, vocab: int) -> torch.Tensor:
+    if folder is None:  # a random model has no tokenizer: random ids of a chat prompt's length
+        return torch.randint(0, vocab, (1, 40), generator=torch.Generator().manual_seed(0))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": QUESTION}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
+
+
+def timed_generation(step_factory, ids: torch.Tensor, new_tokens: int, cache_len: int, eos, repeats: int):
+    """(tokens, first-token seconds, prefill tok/s, decode tok/s), medians over ``repeats`` after a warm-up."""
+    runs = []
+    for _ in range(repeats + 1):
+        decoder = step_factory()
+        stamps: list[float] = []
+        start = time.perf_counter()
+        tokens = greedy_decode(
+            decoder,
+            ids,
+            new_tokens,
+            cache_len,
+            eos_token_id=eos,
+            on_token=lambda _, s=stamps: s.append(time.perf_counter()),
+        )
+        first = stamps[0] - start
+        decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+        runs.append((tokens, first, ids.shape[1] / first, decode))
+    measured = runs[1:]
+    return (
+        measured[0][0],
+        statistics.median(r[1] for r in measured),
+        statistics.median(r[2] for r in measured),
+        statistics.median(r[3] for r in measured),
+    )
+
+
+class Stamps:
+    """A ``generate`` streamer that notes when each chunk of tokens arrives."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class EagerDecoder:
+    """Eager ``generate`` timed the same way: a streamer marks each new token."""
+
+    def __init__(self, model: torch.nn.Module, cache_len: int) -> None:
+        self.model, self.cache_len = model, cache_len
+
+    def run(self, ids: torch.Tensor, new_tokens: int, eos, repeats: int):
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            cache_implementation="static",
+            max_cache_len=self.cache_len,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+        runs = []
+        for _ in range(repeats + 1):
+            streamer = Stamps()
+            start = time.perf_counter()
+            with torch.no_grad():
+                tokens = self.model.generate(ids, generation_config=config, streamer=streamer)
+            stamps = streamer.stamps[1:]  # the streamer sees the prompt first
+            first = stamps[0] - start
+            decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+            runs.append((tokens, first, ids.shape[1] / first, decode))
+        measured = runs[1:]
+        return (
+            measured[0][0],
+            statistics.median(r[1] for r in measured),
+            statistics.median(r[2] for r in measured),
+            statistics.median(r[3] for r in measured),
+        )
+
+
+def folder_mb(folder: Path, names: list[str]) -> float:
+    return sum((folder / name).stat().st_size for name in names) / 2**20
+
+
+def leading_agreement(tokens: torch.Tensor, reference: torch.Tensor, prompt_len: int) -> str:
+    got, expected = tokens[0, prompt_len:].tolist(), reference[0, prompt_len:].tolist()
+    pairs = enumerate(zip(got, expected, strict=False))
+    same = next((i for i, (a, b) in pairs if a != b), min(len(got), len(expected)))
+    exact = same == len(expected) == len(got)
+    return f"{'exact' if exact else 'differs'} ({same}/{len(expected)})"
+
+
+def benchmark(args: argparse.Namespace) -> list[Row]:
+    from transformers import GenerationConfig
+
+    torch.set_num_threads(args.threads)
+    if "executorch" in args.targets:
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+        _unsafe_reset_threadpool(args.threads)
+    bandwidth = memory_bandwidth_gbs()
+    print(f"memory bandwidth: {bandwidth:.1f} GB/s (1 GiB copy, read + write)", file=sys.stderr)
+    rows = []
+    for model_name in args.models:
+        model, folder = build_model(model_name)
+        ids = prompt_ids(model_name, folder, model.config.vocab_size)
+        eos = None if folder is None else model.generation_config.eos_token_id
+        # the static-cache decode graph attends over every slot of the cache
+        bound = bandwidth * 1e9 / bytes_per_token(model, args.cache_len)
+        eager = EagerDecoder(model, args.cache_len)
+        reference, first, prefill, decode = eager.run(ids, args.new_tokens, eos, args.repeats)
+        row = Row(model_name, "eager", first_token_seconds=first, prefill_tps=prefill, decode_tps=decode)
+        row.bound_tps, row.agreement = bound, "reference"
+        rows.append(row)
+        print(f"{model_name} eager: decode {decode:.1f} tok/s (bound {bound:.1f})", file=sys.stderr)
+        static = GenerationConfig(cache_implementation="static", max_cache_len=args.cache_len)
+        sample = {"input_ids": ids[:, :8], "attention_mask": torch.ones_like(ids[:, :8])}
+        for target in args.targets:
+            config = AutoExportConfig.from_dict({"export_format": target, "dynamic": True})
+            timing = TimingInstrument()
+            start = time.perf_counter()
+            results = run_for_generation(model, sample, [config], static, True, (timing,), components=["decode"])
+            row = Row(model_name, target, export_seconds=time.perf_counter() - start)
+            result = results["decode"][target]
+            row.stage_seconds = {r.name: r.seconds for r in result.records if r.kind == "stage"}
+            row.peak_rss_mb = max(r.peak_rss_mb for r in result.records)
+            with tempfile.TemporaryDirectory() as out:
+                manifest = save_export(out, {"decode": result}, generation={"max_cache_len": args.cache_len})
+                row.artifact_mb = folder_mb(Path(out), [spec.file for spec in manifest.components.values()])
+                export = ExportFolder(out)
+
+                def load(export: ExportFolder = export, target: str = target) -> object:
+                    if target == "onnx":  # ONNX Runtime's threads are per session
+                        spec = export.manifest.component("decode")
+                        return OnnxDecoder(export.folder / spec.file, 1, spec, threads=args.threads)
+                    return export.decoder(batch_size=1)
+
+                start = time.perf_counter()
+                load()
+                row.load_seconds = time.perf_counter() - start
+                tokens, first, prefill, decode = timed_generation(
+                    load,
+                    ids,
+                    args.new_tokens,
+                    args.cache_len,
+                    eos,
+                    args.repeats,
+                )
+            row.first_token_seconds, row.prefill_tps, row.decode_tps = first, prefill, decode
+            row.bound_tps = bound
+            row.agreement = leading_agreement(tokens, reference, ids.shape[1])
+            rows.append(row)
+            print(
+                f"{model_name} {target}: export {row.export_seconds:.0f} s, decode {decode:.1f} tok/s "
+                f"({decode / bound:.0%} of the bound), {row.agreement}",
+                file=sys.stderr,
+            )
+    return rows
+
+
+def markdown(rows: list[Row], bandwidth_note: str, threads: int) -> str:
+    lines = [
+        f"Decode at batch 1, {threads} thread(s); {bandwidth_note}.",
+        "",
+        "| model | target | export (s) | stages (s) | peak RSS (MiB) | artifact (MiB) | load (s) | first token (s) "
+        "| prefill tok/s | decode tok/s | bound tok/s | of bound | greedy vs eager |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        stages = ", ".join(f"{name} {seconds:.0f}" for name, seconds in r.stage_seconds.items())
+        lines.append(
+            f"| {r.model} | {r.target} | {r.export_seconds:.0f} | {stages} | {r.peak_rss_mb:.0f} | {r.artifact_mb:.0f} "
+            f"| {r.load_seconds:.2f} | {r.first_token_seconds:.3f} | {r.prefill_tps:.0f} | {r.decode_tps:.1f} "
+            f"| {r.bound_tps:.1f} | {r.decode_tps / r.bound_tps:.0%} | {r.agreement} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    figure, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for axis, model in zip(axes[0], models, strict=True):
+        mine = [r for r in rows if r.model == model]
+        axis.bar([r.target for r in mine], [r.decode_tps for r in mine], color="tab:blue")
+        axis.axhline(mine[0].bound_tps, color="tab:red", linestyle="--", label="memory-bandwidth bound")
+        axis.set_title(model)
+        axis.set_ylabel("decode tokens/s (batch 1)")
+        axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="smollm2-135m-instruct,mid-llama")
+    parser.add_argument("--targets", default="dynamo,onnx,executorch")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--cache-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    args.models = [m for m in args.models.split(",") if m]
+    args.targets = [t for t in args.targets.split(",") if t]
+    rows = benchmark(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    note = f"memory bandwidth {memory_bandwidth_gbs():.1f} GB/s (1 GiB copy)"
+    (out / "decode.md").write_text(markdown(rows, note, args.threads))
+    chart(rows, out / "decode.png")
+    print(markdown(rows, note, args.threads))
+    print(f"wrote {out / 'decode.md'} and {out / 'decode.png'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
