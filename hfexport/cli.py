@@ -36,6 +36,8 @@ def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
             values["dynamic"] = True
         if args.passes is not None:
             values["passes"] = args.passes
+        if args.quantize:
+            values["quantize"] = args.quantize
         if args.dump_dir:
             values["dump_dir"] = args.dump_dir if len(formats) == 1 else str(Path(args.dump_dir) / export_format)
         configs.append(AutoExportConfig.from_dict(values))
@@ -161,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--passes", help="comma-separated FX pass list replacing the backend default ('' for none)")
     export.add_argument("--dump-dir", help="write per-stage / per-pass dumps and report.md here")
     export.add_argument("--verify", action="store_true", help="check every stage against eager PyTorch")
+    export.add_argument(
+        "--quantize", help="weight quantization: int4 (MatMulNBits) or int8 (dynamic) for onnx; see the README"
+    )
     export.add_argument("--config", help="a JSON config file (keys of the backend's config); flags override it")
     export.add_argument("--batch", type=int, default=2, help="sample batch size (default 2)")
     export.add_argument("--seq", type=int, default=8, help="sample sequence length (default 8)")

@@ -154,12 +154,25 @@ class OnnxConfig(DynamoConfig):
         opset_version: the ONNX opset; ``None`` is the newest the installed onnxscript supports.
         optimize: run the onnxscript optimizer (the ``onnx_optimizer`` pass) when ``passes`` is
             the default list; with an explicit ``passes`` list, list it or not.
+        quantize: ``None`` (fp32), ``"int4"`` (4-bit weights in blocks of ``quantize_group_size``,
+            ONNX Runtime ``MatMulNBits``: the ``onnx_int4_weights`` pass) or ``"int8"`` (int8
+            weights and dynamically quantized activations: ``onnx_int8_dynamic``), appended to the
+            pass list. ``verify`` then checks the logits' cosine similarity (at least 0.98) and
+            reports it with the top-1 agreement.
+        quantize_group_size: the int4 block size (a power of two, at least 16).
     """
 
     export_format: ClassVar[str] = "onnx"
 
     opset_version: int | None = None
     optimize: bool = True
+    quantize: str | None = None
+    quantize_group_size: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.quantize not in (None, "int4", "int8"):
+            raise ConfigError(f"OnnxConfig quantize must be None, 'int4' or 'int8', got {self.quantize!r}")
 
 
 EXECUTORCH_BACKENDS = ("xnnpack", "portable", "cuda")

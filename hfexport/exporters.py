@@ -269,9 +269,13 @@ class OnnxExporter(HfExporter):
     )
 
     def pass_list(self, config: OnnxConfig) -> list[Any]:
+        from hfexport.passes.quantize import onnx_quantization_pass
+
         passes = super().pass_list(config)
         if config.passes is None and not config.optimize:
             passes.remove("onnx_optimizer")
+        if config.quantize is not None:
+            passes.append(onnx_quantization_pass(config.quantize, config.quantize_group_size))
         return passes
 
 

@@ -1,3 +1,12 @@
 """Built-in passes; importing this package registers them."""
 
-from hfexport.passes import attention, cache, cleanup, convolution, moe, onnx_graph, portable_kernels  # noqa: F401
+from hfexport.passes import (  # noqa: F401
+    attention,
+    cache,
+    cleanup,
+    convolution,
+    moe,
+    onnx_graph,
+    portable_kernels,
+    quantize,
+)

@@ -178,6 +178,21 @@ def max_abs_diff(expected: list[torch.Tensor], actual: list[Any]) -> float:
     return worst
 
 
+# The count a quantization pass reports (how many weights it quantized). After such a pass, outputs
+# differ from eager by design: verify compares the first output (the logits) by cosine similarity
+# (at least MIN_QUANTIZED_COSINE) and reports the top-1 agreement, instead of the max abs difference.
+QUANTIZED_WEIGHTS = "quantized_weights"
+MIN_QUANTIZED_COSINE = 0.98
+
+
+def agreement(expected: list[torch.Tensor], actual: list[Any]) -> tuple[float, float]:
+    """(cosine similarity, top-1 agreement over the last axis) of the first outputs."""
+    e, a = expected[0].double(), torch.as_tensor(actual[0]).double()
+    cosine = float(torch.nn.functional.cosine_similarity(e.flatten(), a.flatten(), dim=0))
+    top1 = float((e.argmax(-1) == a.argmax(-1)).double().mean()) if e.dim() else float(e == a)
+    return cosine, top1
+
+
 def default_tolerance(model: torch.nn.Module) -> float:
     """Max abs difference allowed against eager: 1e-4 for fp32 models, 1e-2 with fp16/bf16 weights."""
     dtypes = {p.dtype for p in model.parameters()}
@@ -187,24 +202,29 @@ def default_tolerance(model: torch.nn.Module) -> float:
 class NumericsInstrument(Instrument):
     """After capture and after each stage (``each_pass``: after each pass too), run the program on
     the sample inputs and compare its outputs with eager PyTorch; raise :class:`VerificationError`
-    at the first stage (or pass) over the tolerance (default 1e-4 for fp32, 1e-2 for fp16/bf16)."""
+    at the first stage (or pass) over the tolerance (default 1e-4 for fp32, 1e-2 for fp16/bf16).
+    After a quantization pass (one reporting :data:`QUANTIZED_WEIGHTS`), the logits must have a
+    cosine similarity of at least :data:`MIN_QUANTIZED_COSINE`; the figures go to the report."""
 
     def __init__(self, tolerance: float | None = None, each_pass: bool = False) -> None:
         self.tolerance = tolerance
         self.each_pass = each_pass
         self.reference: list[torch.Tensor] = []
         self.inputs: dict[str, Any] = {}
+        self.quantized = False
 
     def start(self, run: PipelineRun) -> None:
         from hfexport.pipeline.capture import copy_inputs, eval_mode
 
         self.inputs = run.inputs
+        self.quantized = False
         with eval_mode(run.model):
             self.reference = flat_tensors(run.model(**copy_inputs(run.inputs)))
         if self.tolerance is None:
             self.tolerance = default_tolerance(run.model)
 
     def after(self, step: StepRecord, program: Any) -> None:
+        self.quantized = self.quantized or bool(step.counts.get(QUANTIZED_WEIGHTS))
         if step.kind != "stage" and not self.each_pass:
             return
         try:
@@ -213,8 +233,11 @@ class NumericsInstrument(Instrument):
             return
         if runner is None:
             return
-        step.max_abs_diff = max_abs_diff(self.reference, runner(program, self.inputs))
-        if step.max_abs_diff > self.tolerance:
+        outputs = runner(program, self.inputs)
+        step.max_abs_diff = max_abs_diff(self.reference, outputs)
+        if self.quantized:
+            self._check_quantized(step, outputs)
+        elif step.max_abs_diff > self.tolerance:
             where = (
                 f"pass {step.name!r} (stage {step.parent.name!r})" if step.kind == "pass" else f"stage {step.name!r}"
             )
@@ -226,6 +249,17 @@ class NumericsInstrument(Instrument):
             raise VerificationError(
                 f"{where}: outputs differ from eager PyTorch by max abs {step.max_abs_diff:.3g} "
                 f"(tolerance {self.tolerance:g}); this is the first {step.kind} over the tolerance. {hint}."
+            )
+
+    def _check_quantized(self, step: StepRecord, outputs: list[Any]) -> None:
+        cosine, top1 = agreement(self.reference, outputs)
+        figures = f"quantized: logit cosine {cosine:.4f}, top-1 agreement {top1:.0%}"
+        step.note = f"{step.note}; {figures}" if step.note else figures
+        if not cosine >= MIN_QUANTIZED_COSINE:
+            raise VerificationError(
+                f"{step.label}: the quantized program's logits have cosine similarity {cosine:.4f} with eager "
+                f"PyTorch (at least {MIN_QUANTIZED_COSINE} expected; top-1 agreement {top1:.0%}); use a smaller "
+                "group size or a milder quantization mode"
             )
 
     def finish(self, run: PipelineRun, error: BaseException | None) -> None:

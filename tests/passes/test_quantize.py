@@ -1,0 +1,89 @@
+"""Quantization passes (ONNX): what they quantize, the numerics check that replaces max abs diff
+after them, and the config / command-line switch."""
+
+import numpy as np
+import pytest
+import torch
+from models import build, eager, sample_inputs
+
+from hfexport import (
+    ConfigError,
+    ExportFolder,
+    OnnxConfig,
+    OnnxExporter,
+    Pass,
+    PassResult,
+    VerificationError,
+    save_export,
+)
+from hfexport.pipeline.instruments import QUANTIZED_WEIGHTS
+
+# tiny-llama: 2 layers x (q, k, v, o, gate, up, down) + lm_head
+LINEAR_LAYERS = 15
+
+
+def cosine(a, b):
+    return float(torch.nn.functional.cosine_similarity(torch.as_tensor(a).flatten(), b.flatten(), dim=0))
+
+
+@pytest.mark.parametrize(
+    ("mode", "op", "min_cosine"), [("int4", "MatMulNBits", 0.98), ("int8", "MatMulInteger", 0.999)]
+)
+def test_onnx_quantization_pass_quantizes_every_linear_layer(mode, op, min_cosine, tmp_path):
+    model = build("tiny-llama")
+    result = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True, verify=True, quantize=mode))
+    (record,) = [p for s in result.records for p in s.children if p.name.startswith("onnx_int")]
+    assert record.counts[QUANTIZED_WEIGHTS] == LINEAR_LAYERS
+    assert record.counts["weight_kib_after"] < record.counts["weight_kib_before"]
+    histogram = {node.op_type for node in result.program.model.graph}
+    assert op in histogram
+    # verify checked the logits by cosine similarity, and the report says what it measured
+    assert "quantized: logit cosine" in result.report and "top-1 agreement" in result.report
+    save_export(tmp_path, {"model": result})
+    inputs = sample_inputs(model, 3, 11, seed=3)  # another shape through the saved artifact
+    assert cosine(ExportFolder(tmp_path).runner().run(inputs)[0], eager(model, inputs).logits) >= min_cosine
+
+
+class ZeroWeights(Pass):
+    """A broken 'quantization': every weight matrix becomes zeros."""
+
+    name = "zero_weights"
+    stage = "onnx_passes"
+    runs_after = ("onnx_optimizer",)
+
+    def __call__(self, program):
+        import onnx_ir as ir
+
+        zeroed = 0
+        for value in program.model.graph.initializers.values():
+            if value.const_value is not None and len(value.shape) == 2:
+                value.const_value = ir.tensor(np.zeros(value.shape.numpy(), dtype=np.float32))
+                zeroed += 1
+        return PassResult(program, modified=True, counts={QUANTIZED_WEIGHTS: zeroed})
+
+
+def test_a_quantization_that_breaks_the_logits_is_caught_by_cosine_similarity():
+    from hfexport.exporters import OnnxExporter as Exporter
+
+    model = build("tiny-llama")
+    passes = [*Exporter.default_passes, ZeroWeights()]
+    with pytest.raises(VerificationError, match=r"cosine similarity .* with eager PyTorch \(at least 0.98"):
+        OnnxExporter().export(model, sample_inputs(model), OnnxConfig(verify=True, passes=passes))
+
+
+def test_quantize_modes_and_group_sizes_are_checked_when_the_config_is_built():
+    with pytest.raises(ConfigError, match="quantize must be None, 'int4' or 'int8', got 'int3'"):
+        OnnxConfig(quantize="int3")
+    model = build("tiny-llama")
+    with pytest.raises(ConfigError, match="group_size must be a power of two"):
+        OnnxExporter().export(model, sample_inputs(model), OnnxConfig(quantize="int4", quantize_group_size=24))
+
+
+def test_cli_quantize_flag(tmp_path):
+    from hfexport.cli import main
+
+    assert main(["export", "tiny-llama", "--format", "onnx", "--quantize", "int4", "--out", str(tmp_path)]) == 0
+    import onnx
+
+    ops = {node.op_type for node in onnx.load(tmp_path / "model.onnx").graph.node}
+    assert "MatMulNBits" in ops
