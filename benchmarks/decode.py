@@ -178,6 +178,22 @@ class EagerDecoder:
         )
 
 
+def variant_config(variant: str) -> tuple[str, object]:
+    """``target[:quantize][+pass…]``: e.g. ``onnx``, ``onnx:int4``, ``onnx+onnx_ort_fusions`` (extra
+    passes appended to the target's default list)."""
+    from hfexport.auto import AutoHfExporter
+
+    head, *extra = variant.split("+")
+    target, _, quantize = head.partition(":")
+    values: dict[str, object] = {"export_format": target, "dynamic": True}
+    if quantize:
+        values["quantize"] = quantize
+    config = AutoExportConfig.from_dict(values)
+    if extra:
+        config.passes = [*AutoHfExporter.from_config(config).pass_list(config), *extra]
+    return target, config
+
+
 def folder_mb(folder: Path, names: list[str]) -> float:
     return sum((folder / name).stat().st_size for name in names) / 2**20
 
@@ -215,12 +231,12 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
         print(f"{model_name} eager: decode {decode:.1f} tok/s (bound {bound:.1f})", file=sys.stderr)
         static = GenerationConfig(cache_implementation="static", max_cache_len=args.cache_len)
         sample = {"input_ids": ids[:, :8], "attention_mask": torch.ones_like(ids[:, :8])}
-        for target in args.targets:
-            config = AutoExportConfig.from_dict({"export_format": target, "dynamic": True})
+        for variant in args.targets:
+            target, config = variant_config(variant)
             timing = TimingInstrument()
             start = time.perf_counter()
             results = run_for_generation(model, sample, [config], static, True, (timing,), components=["decode"])
-            row = Row(model_name, target, export_seconds=time.perf_counter() - start)
+            row = Row(model_name, variant, export_seconds=time.perf_counter() - start)
             result = results["decode"][target]
             row.stage_seconds = {r.name: r.seconds for r in result.records if r.kind == "stage"}
             row.peak_rss_mb = max(r.peak_rss_mb for r in result.records)
@@ -298,7 +314,9 @@ def chart(rows: list[Row], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m-instruct,mid-llama")
-    parser.add_argument("--targets", default="dynamo,onnx,executorch")
+    parser.add_argument(
+        "--targets", default="dynamo,onnx,onnx:int4,onnx:int8,executorch", help="variants: target[:quantize][+pass]"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--cache-len", type=int, default=128)

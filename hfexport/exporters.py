@@ -274,8 +274,9 @@ class OnnxExporter(HfExporter):
         passes = super().pass_list(config)
         if config.passes is None and not config.optimize:
             passes.remove("onnx_optimizer")
-        if config.quantize is not None:
-            passes.append(onnx_quantization_pass(config.quantize, config.quantize_group_size))
+        quantization = onnx_quantization_pass(config.quantize, config.quantize_group_size) if config.quantize else None
+        if quantization is not None and quantization.name not in {getattr(p, "name", p) for p in passes}:
+            passes.append(quantization)
         return passes
 
 

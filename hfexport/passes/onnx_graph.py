@@ -23,3 +23,14 @@ def onnx_optimizer(program: Any) -> PassResult:
     onnxscript.optimizer.optimize(program.model)
     after = _node_count(program)
     return PassResult(program, modified=before != after, counts={"nodes_removed": before - after})
+
+
+@register_pass(name="onnx_ort_fusions", stage="onnx_passes", runs_after=["onnx_optimizer"])
+def onnx_ort_fusions(program: Any) -> PassResult:
+    """onnxscript's ONNX Runtime fusions (RMS norm, rotary embedding, GQA, …), counts per fusion."""
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+    before = _node_count(program)
+    _, fusions = optimize_for_ort(program.model)
+    applied = {name: count for name, count in fusions.items() if count}
+    return PassResult(program, modified=before != _node_count(program), counts=applied)

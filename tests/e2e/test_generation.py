@@ -262,7 +262,17 @@ def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tm
     assert int(decoder.cache["cache.layers.0.cumulative_length"]) == 6 + 15
 
 
-@pytest.mark.parametrize("preset", DECODER_ONLY)
+# make test keeps a plain decoder and the sliding-window one (the ExecuTorch lowering is the slow
+# part); the Qwen3 pair runs under make test-all
+ET_DECODERS = [
+    "tiny-llama",
+    pytest.param("tiny-qwen3", marks=pytest.mark.slow),
+    pytest.param("tiny-qwen3-moe", marks=pytest.mark.slow),
+    "tiny-gemma3",
+]
+
+
+@pytest.mark.parametrize("preset", ET_DECODERS)
 def test_executorch_static_decode_generates_the_same_tokens(preset, tmp_path):
     from hfexport import ExecutorchConfig
 
@@ -351,7 +361,8 @@ def test_encoder_decoder_static_prefill_takes_another_source_length():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["bart", "t5", "whisper"])
+# Bart's components are T5's kinds of graphs (and run on Dynamo and ONNX above): make test-all
+@pytest.mark.parametrize("kind", [pytest.param("bart", marks=pytest.mark.slow), "t5", "whisper"])
 def test_encoder_decoder_components_match_eager_on_executorch(kind):
     from models import build_encoder_decoder
 
