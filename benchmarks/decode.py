@@ -15,7 +15,11 @@ one graph serves the prompt and every step) and measures:
   and the static KV cache, which every step attends over) and the fraction of the bound
   (bandwidth / bytes) reached;
 - greedy agreement with eager fp32: the number of leading new tokens identical to
-  ``model.generate(do_sample=False)`` (token-exact is all of them).
+  ``model.generate(do_sample=False)`` (token-exact is all of them), and the cosine similarity of
+  the prompt's last logits with eager's (what to read for quantized variants).
+
+Each row's bound counts the bytes its own artifact holds (quantized weights are smaller), plus the
+static KV cache.
 
 Writes ``decode.md`` (the table) and ``decode.png`` (tokens/s per target against each model's
 bound) into ``--out``. Ratios are what to read: the machine is shared and noisy.
@@ -73,15 +77,15 @@ def memory_bandwidth_gbs(repeats: int = 5) -> float:
     return 2 * source.numel() * 4 / best / 1e9
 
 
-def bytes_per_token(model: torch.nn.Module, cache_tokens: int) -> float:
-    """What one decode step reads at least: every weight once (tied weights once) and the keys and
-    values of ``cache_tokens`` cached tokens."""
+def bytes_per_token(model: torch.nn.Module, cache_tokens: int, weight_bytes: float | None = None) -> float:
+    """What one decode step reads at least: every weight once (tied weights once; ``weight_bytes``
+    when given: an artifact's, quantized or not) and the keys and values of ``cache_tokens`` tokens."""
     weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     config = model.config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache = 2 * config.num_hidden_layers * heads * head_dim * cache_tokens * 4
-    return sum(weights.values()) + cache
+    return (sum(weights.values()) if weight_bytes is None else weight_bytes) + cache
 
 
 def build_model(name: str) -> tuple[torch.nn.Module, Path | None]:
@@ -104,9 +108,9 @@ def prompt_ids(model_name: str, folder: Path | None, vocab: int) -> torch.Tensor
 
 def timed_generation(step_factory, ids: torch.Tensor, new_tokens: int, cache_len: int, eos, repeats: int):
     """(tokens, first-token seconds, prefill tok/s, decode tok/s), medians over ``repeats`` after a warm-up."""
-    runs = []
+    runs, first_logits = [], None
     for _ in range(repeats + 1):
-        decoder = step_factory()
+        decoder = FirstLogits(step_factory())
         stamps: list[float] = []
         start = time.perf_counter()
         tokens = greedy_decode(
@@ -120,13 +124,28 @@ def timed_generation(step_factory, ids: torch.Tensor, new_tokens: int, cache_len
         first = stamps[0] - start
         decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
         runs.append((tokens, first, ids.shape[1] / first, decode))
+        first_logits = decoder.first
     measured = runs[1:]
     return (
         measured[0][0],
         statistics.median(r[1] for r in measured),
         statistics.median(r[2] for r in measured),
         statistics.median(r[3] for r in measured),
+        first_logits,
     )
+
+
+class FirstLogits:
+    """A decode step that keeps the logits of its first call (the prompt's)."""
+
+    def __init__(self, step) -> None:
+        self.step, self.first = step, None
+
+    def __call__(self, *args):
+        logits = self.step(*args)
+        if self.first is None:
+            self.first = torch.as_tensor(logits)[:, -1].clone()
+        return logits
 
 
 class Stamps:
@@ -223,6 +242,8 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
         eos = None if folder is None else model.generation_config.eos_token_id
         # the static-cache decode graph attends over every slot of the cache
         bound = bandwidth * 1e9 / bytes_per_token(model, args.cache_len)
+        with torch.no_grad():
+            prompt_logits = model(ids).logits[:, -1]
         eager = EagerDecoder(model, args.cache_len)
         reference, first, prefill, decode = eager.run(ids, args.new_tokens, eos, args.repeats)
         row = Row(model_name, "eager", first_token_seconds=first, prefill_tps=prefill, decode_tps=decode)
@@ -254,7 +275,7 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
                 start = time.perf_counter()
                 load()
                 row.load_seconds = time.perf_counter() - start
-                tokens, first, prefill, decode = timed_generation(
+                tokens, first, prefill, decode, logits = timed_generation(
                     load,
                     ids,
                     args.new_tokens,
@@ -263,12 +284,13 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
                     args.repeats,
                 )
             row.first_token_seconds, row.prefill_tps, row.decode_tps = first, prefill, decode
-            row.bound_tps = bound
-            row.agreement = leading_agreement(tokens, reference, ids.shape[1])
+            row.bound_tps = bandwidth * 1e9 / bytes_per_token(model, args.cache_len, row.artifact_mb * 2**20)
+            cosine = float(torch.nn.functional.cosine_similarity(logits.flatten(), prompt_logits.flatten(), dim=0))
+            row.agreement = f"{leading_agreement(tokens, reference, ids.shape[1])}, logit cosine {cosine:.4f}"
             rows.append(row)
             print(
-                f"{model_name} {target}: export {row.export_seconds:.0f} s, decode {decode:.1f} tok/s "
-                f"({decode / bound:.0%} of the bound), {row.agreement}",
+                f"{model_name} {variant}: export {row.export_seconds:.0f} s, decode {decode:.1f} tok/s "
+                f"({decode / row.bound_tps:.0%} of the bound), {row.agreement}",
                 file=sys.stderr,
             )
     return rows
@@ -302,8 +324,10 @@ def chart(rows: list[Row], path: Path) -> None:
     figure, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for axis, model in zip(axes[0], models, strict=True):
         mine = [r for r in rows if r.model == model]
-        axis.bar([r.target for r in mine], [r.decode_tps for r in mine], color="tab:blue")
-        axis.axhline(mine[0].bound_tps, color="tab:red", linestyle="--", label="memory-bandwidth bound")
+        names = [r.target for r in mine]
+        axis.bar(names, [r.decode_tps for r in mine], color="tab:blue", label="decode")
+        axis.scatter(names, [r.bound_tps for r in mine], color="tab:red", marker="_", s=900, label="bandwidth bound")
+        axis.tick_params(axis="x", labelrotation=30)
         axis.set_title(model)
         axis.set_ylabel("decode tokens/s (batch 1)")
         axis.legend(loc="lower right")

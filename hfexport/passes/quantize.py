@@ -83,11 +83,12 @@ class OnnxInt4Weights(Pass):
     stage = "onnx_passes"
     runs_after = ("onnx_optimizer",)
 
-    def __init__(self, group_size: int = 32, accuracy_level: int = 4) -> None:
+    def __init__(self, group_size: int = 32, accuracy_level: int = 4, symmetric: bool = False) -> None:
         if group_size < 16 or group_size & (group_size - 1):
             raise ConfigError(f"int4 group_size must be a power of two of at least 16, got {group_size}")
         self.group_size = group_size
         self.accuracy_level = accuracy_level
+        self.symmetric = symmetric
 
     def __call__(self, program: Any) -> PassResult:
         with _root_logging_quiet():
@@ -95,7 +96,11 @@ class OnnxInt4Weights(Pass):
 
         before = _proto(program)
         quantizer = MatMulNBitsQuantizer(
-            _proto(program), bits=4, block_size=self.group_size, is_symmetric=True, accuracy_level=self.accuracy_level
+            _proto(program),
+            bits=4,
+            block_size=self.group_size,
+            is_symmetric=self.symmetric,
+            accuracy_level=self.accuracy_level,
         )
         with _root_logging_quiet():
             quantizer.process()
@@ -122,7 +127,9 @@ class OnnxInt8Dynamic(Pass):
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "quantized.onnx"
             with _root_logging_quiet():
-                quantize_dynamic(before, path, op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8)
+                quantize_dynamic(
+                    before, path, op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8, per_channel=True
+                )
             after = onnx.load(path)
         counts = _counts(before, after, ("MatMulInteger", "DynamicQuantizeMatMul"))
         return PassResult(_program(after, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)

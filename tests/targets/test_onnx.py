@@ -186,3 +186,17 @@ def test_multimodal_single_graph_runs_in_onnx_runtime(kind, tmp_path):
     save_export(tmp_path, {"model": result})
     logits = torch.as_tensor(ExportFolder(tmp_path).runner().run(inputs)[0])
     torch.testing.assert_close(logits, eager(model, inputs).logits, atol=1e-4, rtol=0)
+
+
+def test_ort_fusions_pass_reports_its_fusions_and_keeps_the_numbers():
+    from hfexport.exporters import OnnxExporter as Exporter
+
+    model = build("tiny-llama")
+    config = OnnxConfig(dynamic=True, verify=True, passes=[*Exporter.default_passes, "onnx_ort_fusions"])
+    result = OnnxExporter().run(model, sample_inputs(model), config)  # verify: within 1e-4 of eager
+    (record,) = [p for s in result.records for p in s.children if p.name == "onnx_ort_fusions"]
+    # 2 layers: 4 RMS norms fused with their residual adds, the final norm alone, rotary per q and k
+    assert record.counts["skip_rms_normalization"] == 4 and record.counts["rms_normalization"] == 5
+    assert record.counts["rotary_embedding"] == 4
+    ops = {node.op_type for node in result.program.model.graph}
+    assert "SkipSimplifiedLayerNormalization" in ops and "SimplifiedLayerNormalization" in ops
