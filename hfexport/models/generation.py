@@ -246,7 +246,9 @@ def _multi_token_decode_mismatch(
     except Exception as error:  # the model's own failure, reported as the reason
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     difference = max(float((got[:, i] - e).abs().max()) for i, e in enumerate(expected))
-    return None if difference <= 1e-4 else f"its logits differ from two single steps by {difference:.3g}"
+    # a gross disagreement, not rounding: batched and one-at-a-time matmuls differ in the last bits
+    scale = max(1.0, max(float(e.abs().max()) for e in expected))
+    return None if difference <= 1e-3 * scale else f"its logits differ from two single steps by {difference:.3g}"
 
 
 def _generation_submodules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
