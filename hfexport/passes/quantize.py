@@ -127,9 +127,8 @@ class OnnxInt8Dynamic(Pass):
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "quantized.onnx"
             with _root_logging_quiet():
-                quantize_dynamic(
-                    before, path, op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8, per_channel=True
-                )
+                # per-tensor weights: per_channel=True measured worse on SmolLM2 (logit cosine 0.75 vs 0.96)
+                quantize_dynamic(before, path, op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8)
             after = onnx.load(path)
         counts = _counts(before, after, ("MatMulInteger", "DynamicQuantizeMatMul"))
         return PassResult(_program(after, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
