@@ -121,18 +121,22 @@ def timed_generation(step_factory, ids: torch.Tensor, new_tokens: int, cache_len
             eos_token_id=eos,
             on_token=lambda _, s=stamps: s.append(time.perf_counter()),
         )
-        first = stamps[0] - start
-        decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
-        runs.append((tokens, first, ids.shape[1] / first, decode))
+        runs.append(run_figures(tokens, ids.shape[1], start, stamps))
         first_logits = decoder.first
+    return (*medians(runs), first_logits)
+
+
+def run_figures(tokens: torch.Tensor, prompt_len: int, start: float, stamps: list[float]) -> tuple:
+    """(tokens, first-token seconds, prefill tok/s, decode tok/s) of one run from its token times."""
+    first = stamps[0] - start
+    decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    return tokens, first, prompt_len / first, decode
+
+
+def medians(runs: list[tuple]) -> tuple:
+    """The first measured run's tokens and the median figures, the warm-up run (``runs[0]``) left out."""
     measured = runs[1:]
-    return (
-        measured[0][0],
-        statistics.median(r[1] for r in measured),
-        statistics.median(r[2] for r in measured),
-        statistics.median(r[3] for r in measured),
-        first_logits,
-    )
+    return (measured[0][0], *(statistics.median(r[i] for r in measured) for i in (1, 2, 3)))
 
 
 class FirstLogits:
@@ -184,17 +188,9 @@ class EagerDecoder:
             start = time.perf_counter()
             with torch.no_grad():
                 tokens = self.model.generate(ids, generation_config=config, streamer=streamer)
-            stamps = streamer.stamps[1:]  # the streamer sees the prompt first
-            first = stamps[0] - start
-            decode = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
-            runs.append((tokens, first, ids.shape[1] / first, decode))
-        measured = runs[1:]
-        return (
-            measured[0][0],
-            statistics.median(r[1] for r in measured),
-            statistics.median(r[2] for r in measured),
-            statistics.median(r[3] for r in measured),
-        )
+            # the streamer sees the prompt first
+            runs.append(run_figures(tokens, ids.shape[1], start, streamer.stamps[1:]))
+        return medians(runs)
 
 
 def variant_config(variant: str) -> tuple[str, object]:
