@@ -11,6 +11,7 @@ from typing import Any
 
 from hfexport.errors import HfExportError
 from hfexport.targets import target_names
+from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
 
 
 def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
@@ -164,7 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dump-dir", help="write per-stage / per-pass dumps and report.md here")
     export.add_argument("--verify", action="store_true", help="check every stage against eager PyTorch")
     export.add_argument(
-        "--quantize", help="weight quantization: int4 (MatMulNBits) or int8 (dynamic) for onnx; see the README"
+        "--quantize",
+        help="weight quantization, onnx and executorch: int4 (4-bit weight groups; executorch also calls it "
+        "8da4w) or int8 (int8 weights; 8da8w), activations quantized to int8 at run time; see the README",
     )
     export.add_argument("--config", help="a JSON config file (keys of the backend's config); flags override it")
     export.add_argument("--batch", type=int, default=2, help="sample batch size (default 2)")
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
-        return args.run(args)
+        with quiet_loggers(*TORCHAO_LOGGERS):  # imported by transformers and executorch
+            return args.run(args)
     except (HfExportError, FileNotFoundError) as error:
         print(f"hfexport: error: {error}", file=sys.stderr)
         for note in getattr(error, "__notes__", ()):

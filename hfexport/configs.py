@@ -199,6 +199,14 @@ class ExecutorchConfig(DynamoConfig):
         max_planned_memory_mb: the largest memory plan accepted (MiB, all planned buffers of the
             program); ``None`` is half of this machine's memory. A program over it is an error
             before serialising, naming the bounds to lower.
+        quantize: ``None`` (fp32), ``"8da4w"`` (4-bit weight groups of ``quantize_group_size``,
+            inputs quantized to int8 per token at run time: the ``int4_weights_int8_activations``
+            pass) or ``"8da8w"`` (int8 weights per output channel:
+            ``int8_weights_int8_activations``), appended to the pass list; ``"int4"`` and
+            ``"int8"`` (the :class:`OnnxConfig` names) mean the same. XNNPACK runs the quantized
+            linear layers. ``verify`` then checks the logits' cosine similarity (at least 0.98)
+            and reports it with the top-1 agreement.
+        quantize_group_size: the 8da4w group size (a power of two, at least 16).
 
     ExecuTorch plans memory for the largest allowed shapes, so every dynamic axis needs an upper
     bound: an explicit ``Dim(max=...)`` is kept, and an unbounded axis (``dynamic=True``, or a
@@ -215,9 +223,16 @@ class ExecutorchConfig(DynamoConfig):
     max_seq_len: int | None = None
     max_batch_size: int = 8
     max_planned_memory_mb: int | None = None
+    quantize: str | None = None
+    quantize_group_size: int = 32
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.quantize not in (None, "8da4w", "8da8w", "int4", "int8"):
+            raise ConfigError(
+                f"ExecutorchConfig quantize must be None, '8da4w' (or 'int4') or '8da8w' (or 'int8'), "
+                f"got {self.quantize!r}"
+            )
         if self.backend not in EXECUTORCH_BACKENDS:
             raise ConfigError(
                 f"unknown ExecuTorch backend {self.backend!r}; valid backends: {', '.join(EXECUTORCH_BACKENDS)}"

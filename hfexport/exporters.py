@@ -296,3 +296,13 @@ class ExecutorchExporter(HfExporter):
         "explicit_contiguous_copies",
         "dead_code_elimination",
     )
+
+    def pass_list(self, config: ExecutorchConfig) -> list[Any]:
+        from hfexport.passes.quantize import executorch_quantization_pass
+
+        passes = super().pass_list(config)
+        if config.quantize:
+            quantization = executorch_quantization_pass(config.quantize, config.quantize_group_size)
+            if quantization.name not in {getattr(p, "name", p) for p in passes}:
+                passes.append(quantization)
+        return passes

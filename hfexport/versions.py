@@ -7,9 +7,11 @@ extras). At runtime they are read back from the installed package's metadata, or
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -17,6 +19,26 @@ from packaging.version import Version
 
 logger = logging.getLogger("hfexport")
 _checked = False
+
+# torchao (imported by executorch and by the quantization passes) logs a warning for each optional
+# CUDA kernel library it cannot load on a CPU machine, and registers enums torch's pytree warns about
+TORCHAO_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """Only errors from these loggers (the root logger when none is named) while the block runs,
+    and their handlers restored afterwards."""
+    loggers = [logging.getLogger(name) for name in names] or [logging.getLogger()]
+    saved = [(logger, list(logger.handlers), logger.level) for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, handlers, level in saved:
+            logger.handlers[:] = handlers
+            logger.setLevel(level)
 
 
 def tested_requirements() -> list[Requirement]:

@@ -1,6 +1,20 @@
-"""Weight quantization as passes (stage ``onnx_passes``): ONNX Runtime's own quantizers over the
-ONNX model, after the onnxscript optimizer has folded each linear layer's weight into one constant
-``MatMul`` input.
+"""Weight quantization as passes.
+
+On the captured program (stage ``fx_passes``, for ExecuTorch's XNNPACK delegate), torchao's
+quantization primitives:
+
+- ``int4_weights_int8_activations`` ("8da4w"): each linear layer's weight in symmetric 4-bit
+  groups of ``group_size`` along the input axis, its input quantized per token to int8 at run time;
+- ``int8_weights_int8_activations`` ("8da8w"): int8 weights per output channel, the same
+  activations.
+
+Both rewrite ``aten.linear`` into the torchao pattern XNNPACK delegates as one dynamically
+quantized linear (``choose_qparams_affine`` → ``quantize_affine`` → ``dequantize_affine`` on the
+input, ``dequantize_affine`` of the int8 weight constant), and drop the fp32 weights nothing else
+uses (an embedding tied to the output projection keeps its fp32 table).
+
+On the ONNX model (stage ``onnx_passes``), ONNX Runtime's own quantizers, after the onnxscript
+optimizer has folded each linear layer's weight into one constant ``MatMul`` input:
 
 - ``onnx_int4_weights``: 4-bit weights in blocks of ``group_size`` along the input axis, symmetric,
   as ``com.microsoft::MatMulNBits`` (ONNX Runtime's ``MatMulNBitsQuantizer``); with
@@ -9,7 +23,7 @@ ONNX model, after the onnxscript optimizer has folded each linear layer's weight
 - ``onnx_int8_dynamic``: int8 weights and dynamically quantized int8 activations
   (``quantize_dynamic``: ``DynamicQuantizeLinear`` + ``MatMulInteger``).
 
-Both report ``quantized_weights`` (the MatMuls changed) and the weight bytes before and after; the
+All report ``quantized_weights`` (the linear layers changed) and the weight bytes before and after; the
 numerics instrument checks a program after a pass that reports ``quantized_weights`` by logit
 cosine similarity and top-1 agreement instead of max abs difference (see
 :class:`~hfexport.pipeline.instruments.NumericsInstrument`).
@@ -17,33 +31,160 @@ cosine similarity and top-1 agreement instead of max abs difference (see
 
 from __future__ import annotations
 
-import contextlib
-import logging
+import operator
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hfexport.errors import ConfigError
+from hfexport.pipeline.graph_edit import GraphEditor, add_constant, remove_unused_parameter
 from hfexport.pipeline.instruments import QUANTIZED_WEIGHTS
 from hfexport.pipeline.pass_manager import Pass, PassResult, register_pass
+from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
 
 ONNX_QUANTIZATION = {"int4": "onnx_int4_weights", "int8": "onnx_int8_dynamic"}
+EXECUTORCH_QUANTIZATION = {"8da4w": "int4_weights_int8_activations", "8da8w": "int8_weights_int8_activations"}
+# the ONNX names select the same weight widths on ExecuTorch, so one --quantize works everywhere
+EXECUTORCH_ALIASES = {"int4": "8da4w", "int8": "8da8w"}
 
 
-@contextlib.contextmanager
-def _root_logging_quiet() -> Iterator[None]:
-    # onnxruntime.quantization.matmul_nbits_quantizer calls logging.basicConfig(level=INFO) at
-    # import, which would print every quantizer and user INFO line from then on, and the quantizers
-    # log their progress and advice (pre-processing for static quantization) on the root logger
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    root.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _DynamicallyQuantizedLinears(Pass):
+    """``aten.linear`` with a parameter weight → torchao's dynamically quantized linear pattern."""
+
+    stage = "fx_passes"
+    weight_dtype: torch.dtype = torch.int8
+    weight_bits = 8
+
+    def __init__(self, group_size: int | None = None, algorithm: str = "affine") -> None:
+        if group_size is not None and (group_size < 16 or group_size & (group_size - 1)):
+            raise ConfigError(f"quantization group_size must be a power of two of at least 16, got {group_size}")
+        if algorithm not in ("affine", "hqq"):
+            raise ConfigError(f"quantization algorithm must be 'affine' or 'hqq', got {algorithm!r}")
+        self.group_size = group_size
+        self.algorithm = algorithm
+
+    def _quantized(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        from torchao.quantization import IntxUnpackedToInt8Tensor
+        from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
+            IntxChooseQParamsAlgorithm,
+        )
+
+        block = [1, self.group_size or weight.shape[1]]
+        algorithm = {"affine": IntxChooseQParamsAlgorithm.AFFINE, "hqq": IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY}
+        with torch.no_grad():
+            q = IntxUnpackedToInt8Tensor.from_hp(
+                weight.detach().float(),
+                block,
+                self.weight_dtype,
+                intx_choose_qparams_algorithm=algorithm[self.algorithm],
+            )
+        return q.qdata, q.scale, q.zero_point, block
+
+    def __call__(self, program: Any) -> PassResult:
+        with quiet_loggers(*TORCHAO_LOGGERS):
+            return self._rewrite(program)
+
+    def _rewrite(self, program: Any) -> PassResult:
+        from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS
+
+        ops = torch.ops.torchao
+        qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[self.weight_dtype]
+        parameters = program.graph_signature.inputs_to_parameters
+        quantized: dict[str, list[Any]] = {}  # weight placeholder → (qdata, scale, zero point) nodes
+        before = _tensor_bytes(program.state_dict.values())
+        stored = 0  # the quantized weights' bytes as the delegate stores them (4-bit values packed)
+        count = 0
+        for node in list(program.graph.nodes):
+            if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
+                continue
+            x, weight = node.args[0], node.args[1]
+            if not (isinstance(weight, torch.fx.Node) and weight.name in parameters):
+                continue
+            value = program.state_dict[parameters[weight.name]]
+            if value.dim() != 2 or not value.is_floating_point():
+                continue
+            if self.group_size and value.shape[1] % self.group_size:
+                continue
+            if weight.name not in quantized:
+                qdata, scale, zero_point, block = self._quantized(value)
+                stored += qdata.numel() * self.weight_bits // 8 + _tensor_bytes((scale, zero_point))
+                target = parameters[weight.name]
+                quantized[weight.name] = [
+                    *(
+                        add_constant(program, f"{target}.{part}", t)
+                        for part, t in (("qdata", qdata), ("scale", scale), ("zero_point", zero_point))
+                    ),
+                    block,
+                ]
+            qdata, scale, zero_point, block = quantized[weight.name]
+            edit = GraphEditor(program.graph, node)
+            rank = x.meta["val"].dim()
+            token_block = [1] * (rank - 1) + [value.shape[1]]
+            qparams = edit.call(
+                ops.choose_qparams_affine.default,
+                x,
+                "ASYMMETRIC",
+                token_block,
+                torch.int8,
+                -128,
+                127,
+                None,
+                None,
+                torch.int8,
+            )
+            x_scale = edit.call(operator.getitem, qparams, 0)
+            x_zero = edit.call(operator.getitem, qparams, 1)
+            x_q = edit.call(ops.quantize_affine.default, x, token_block, x_scale, x_zero, torch.int8, -128, 127)
+            x_dq = edit.call(ops.dequantize_affine.default, x_q, token_block, x_scale, x_zero, torch.int8, -128, 127)
+            w_dq = edit.call(ops.dequantize_affine.default, qdata, block, scale, zero_point, torch.int8, qmin, qmax)
+            node.args = (x_dq, w_dq, *node.args[2:])
+            count += 1
+        for name in quantized:
+            remove_unused_parameter(program, next(n for n in program.graph.nodes if n.name == name))
+        program.graph.lint()
+        program.graph_module.recompile()
+        after = _tensor_bytes(program.state_dict.values()) + stored
+        counts = {
+            QUANTIZED_WEIGHTS: len(quantized),
+            "quantized_linears": count,
+            "weight_kib_before": round(before / 2**10),
+            "weight_kib_after": round(after / 2**10),
+        }
+        return PassResult(program, modified=count > 0, counts=counts)
+
+
+class Int4WeightsInt8Activations(_DynamicallyQuantizedLinears):
+    """8da4w: 4-bit weight groups and int8 per-token activations (torchao, XNNPACK)."""
+
+    name = "int4_weights_int8_activations"
+    description = "linear weights to symmetric 4-bit groups of group_size, inputs to int8 per token at run time (8da4w)"
+    weight_dtype = torch.int4
+    weight_bits = 4
+
+    def __init__(self, group_size: int = 32, algorithm: str = "affine") -> None:
+        super().__init__(group_size, algorithm)
+
+
+class Int8WeightsInt8Activations(_DynamicallyQuantizedLinears):
+    """8da8w: int8 per-channel weights and int8 per-token activations (torchao, XNNPACK)."""
+
+    name = "int8_weights_int8_activations"
+    description = "linear weights to int8 per output channel, inputs to int8 per token at run time (8da8w)"
+
+    def __init__(self, algorithm: str = "affine") -> None:
+        super().__init__(None, algorithm)
+
+
+# onnxruntime.quantization.matmul_nbits_quantizer calls logging.basicConfig(level=INFO) at import,
+# which would print every quantizer and user INFO line from then on, and the quantizers log their
+# progress and advice (pre-processing for static quantization) on the root logger: each runs
+# under quiet_loggers()
 
 
 def _proto(program: Any) -> Any:
@@ -91,7 +232,7 @@ class OnnxInt4Weights(Pass):
         self.symmetric = symmetric
 
     def __call__(self, program: Any) -> PassResult:
-        with _root_logging_quiet():
+        with quiet_loggers():
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         before = _proto(program)
@@ -102,7 +243,7 @@ class OnnxInt4Weights(Pass):
             is_symmetric=self.symmetric,
             accuracy_level=self.accuracy_level,
         )
-        with _root_logging_quiet():
+        with quiet_loggers():
             quantizer.process()
         after = quantizer.model.model
         counts = _counts(before, after, ("MatMulNBits",))
@@ -120,13 +261,13 @@ class OnnxInt8Dynamic(Pass):
     def __call__(self, program: Any) -> PassResult:
         import onnx
 
-        with _root_logging_quiet():
+        with quiet_loggers():
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
         before = _proto(program)
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "quantized.onnx"
-            with _root_logging_quiet():
+            with quiet_loggers():
                 # per-tensor weights: per_channel=True measured worse on SmolLM2 (logit cosine 0.75 vs 0.96)
                 quantize_dynamic(before, path, op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8)
             after = onnx.load(path)
@@ -134,6 +275,8 @@ class OnnxInt8Dynamic(Pass):
         return PassResult(_program(after, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
 
 
+register_pass(Int4WeightsInt8Activations)
+register_pass(Int8WeightsInt8Activations)
 register_pass(OnnxInt4Weights)
 register_pass(OnnxInt8Dynamic)
 
@@ -145,3 +288,14 @@ def onnx_quantization_pass(mode: str, group_size: int) -> Pass:
     if mode == "int8":
         return OnnxInt8Dynamic()
     raise ConfigError(f"unknown ONNX quantize mode {mode!r}; valid: {', '.join(ONNX_QUANTIZATION)}")
+
+
+def executorch_quantization_pass(mode: str, group_size: int) -> Pass:
+    """The pass of ``ExecutorchConfig(quantize=mode)``."""
+    mode = EXECUTORCH_ALIASES.get(mode, mode)
+    if mode == "8da4w":
+        return Int4WeightsInt8Activations(group_size=group_size)
+    if mode == "8da8w":
+        return Int8WeightsInt8Activations()
+    valid = ", ".join([*EXECUTORCH_QUANTIZATION, *EXECUTORCH_ALIASES])
+    raise ConfigError(f"unknown ExecuTorch quantize mode {mode!r}; valid: {valid}")

@@ -41,3 +41,41 @@ def arguments(node: Node) -> dict[str, Any]:
     bound = dict(zip((a.name for a in schema.arguments), node.args, strict=False))
     bound.update(node.kwargs)
     return bound
+
+
+def add_constant(program: torch.export.ExportedProgram, name: str, value: torch.Tensor) -> Node:
+    """Add ``value`` to ``program`` as a lifted tensor constant called ``name``: a placeholder
+    before the user inputs, an input spec in the same position, and ``program.constants[name]``."""
+    from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, TensorArgument
+
+    graph = program.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    specs = list(program.graph_signature.input_specs)
+    index = next((i for i, spec in enumerate(specs) if spec.kind == InputKind.USER_INPUT), len(specs))
+    if index < len(placeholders):
+        insertion = graph.inserting_before(placeholders[index])
+    else:
+        insertion = graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(None)
+    with insertion:
+        node = graph.placeholder("c_" + name.replace(".", "_"))
+    fake_mode = detect_fake_mode([n.meta["val"] for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)])
+    node.meta["val"] = fake_mode.from_tensor(value, static_shapes=True)
+    specs.insert(index, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), name))
+    program.constants[name] = value
+    program._graph_signature = ExportGraphSignature(specs, program.graph_signature.output_specs)
+    return node
+
+
+def remove_unused_parameter(program: torch.export.ExportedProgram, node: Node) -> bool:
+    """Remove a parameter placeholder nothing uses any more, with its input spec and its
+    ``state_dict`` entry (the tensor itself is not touched: it may be the user's model's)."""
+    from torch.export.graph_signature import ExportGraphSignature
+
+    target = program.graph_signature.inputs_to_parameters.get(node.name)
+    if node.users or target is None:
+        return False
+    program.graph.erase_node(node)
+    specs = [spec for spec in program.graph_signature.input_specs if getattr(spec.arg, "name", None) != node.name]
+    program._graph_signature = ExportGraphSignature(specs, program.graph_signature.output_specs)
+    program.state_dict.pop(target, None)
+    return True

@@ -33,8 +33,8 @@ class Pass:
     this one), and implement ``__call__``.
 
     A pass on an ``ExportedProgram`` rewrites ``program.graph_module`` in place or returns a new
-    program; either way it must keep the graph signature valid (same placeholders, same number
-    of outputs), so no pass ever forces a re-export.
+    program; either way it must keep the graph signature valid (same user inputs, same number of
+    outputs; weights may be replaced), so no pass ever forces a re-export.
     """
 
     name: str = ""
@@ -171,20 +171,20 @@ def check_order(passes: Sequence[Pass]) -> None:
 
 
 def signature_of(program: Any) -> tuple[list[str], int] | None:
-    """The placeholder names and the output count of an ``ExportedProgram`` (``None`` for other
-    program types)."""
+    """The user input names and the output count of an ``ExportedProgram`` (``None`` for other
+    program types). Weights may change (a quantization pass replaces them); what the caller
+    feeds and gets back may not."""
     graph = getattr(program, "graph", None)
     if graph is None or not hasattr(program, "graph_signature"):
         return None
-    placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    return placeholders, len(output.args[0])
+    return list(program.graph_signature.user_inputs), len(output.args[0])
 
 
 def execute_pass(pass_: Pass, program: Any, before: Sequence[str] = ()) -> PassResult:
     """Run one pass with the checks every run gets, in a pipeline or in ``hfexport replay``: it must
     return a :class:`PassResult` holding a program of the type it was given, with the same
-    placeholders and number of outputs. Any failure is a :class:`PassError` naming the pass and the
+    user inputs and number of outputs. Any failure is a :class:`PassError` naming the pass and the
     passes that ran ``before`` it."""
     signature = signature_of(program)
     try:
@@ -199,7 +199,7 @@ def execute_pass(pass_: Pass, program: Any, before: Sequence[str] = ()) -> PassR
         after = signature_of(result.program)
         if signature is not None and after is not None and after != signature:
             raise TypeError(
-                f"changed the program signature (placeholders {signature[0]} -> {after[0]}, outputs "
+                f"changed the program signature (user inputs {signature[0]} -> {after[0]}, outputs "
                 f"{signature[1]} -> {after[1]}); a pass must keep inputs and outputs intact"
             )
     except Exception as error:

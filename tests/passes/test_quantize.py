@@ -1,5 +1,6 @@
-"""Quantization passes (ONNX): what they quantize, the numerics check that replaces max abs diff
-after them, and the config / command-line switch."""
+"""Quantization passes (ONNX Runtime's quantizers on ONNX, torchao's 8da4w / 8da8w patterns for
+ExecuTorch): what they quantize, the numerics check that replaces max abs diff after them, and the
+config / command-line switch."""
 
 import numpy as np
 import pytest
@@ -8,6 +9,8 @@ from models import build, eager, sample_inputs
 
 from hfexport import (
     ConfigError,
+    ExecutorchConfig,
+    ExecutorchExporter,
     ExportFolder,
     OnnxConfig,
     OnnxExporter,
@@ -87,3 +90,58 @@ def test_cli_quantize_flag(tmp_path):
 
     ops = {node.op_type for node in onnx.load(tmp_path / "model.onnx").graph.node}
     assert "MatMulNBits" in ops
+
+
+# the .pte against the fp32 weights alone (the fp32 .pte is 416 KiB for 353 KiB of weights)
+@pytest.mark.parametrize(("mode", "min_cosine", "size_ratio"), [("8da4w", 0.98, 0.45), ("8da8w", 0.999, 0.6)])
+def test_executorch_quantization_pass_delegates_every_linear_layer_as_quantized(mode, min_cosine, size_ratio, tmp_path):
+    model = build("tiny-llama")
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    fp32_kib = sum(t.numel() * t.element_size() for t in weights.values()) / 2**10
+    result = ExecutorchExporter().run(
+        model, sample_inputs(model), ExecutorchConfig(dynamic=True, verify=True, quantize=mode)
+    )
+    (record,) = [p for s in result.records for p in s.children if p.name.endswith("_int8_activations")]
+    assert record.counts[QUANTIZED_WEIGHTS] == LINEAR_LAYERS == record.counts["quantized_linears"]
+    assert record.counts["weight_kib_after"] < record.counts["weight_kib_before"] / 2.5
+    # every quantize / dequantize went to XNNPACK: none is left for the portable kernels
+    edge = result.program.exported_program()
+    assert not [n for n in edge.graph.nodes if "quantize" in str(n.target) or "qparams" in str(n.target)]
+    assert "quantized: logit cosine" in result.report and "top-1 agreement" in result.report
+    save_export(tmp_path, {"model": result})
+    assert (tmp_path / "model.pte").stat().st_size / 2**10 < fp32_kib * size_ratio
+    inputs = sample_inputs(model, 3, 11, seed=3)
+    assert cosine(ExportFolder(tmp_path).runner().run(inputs)[0], eager(model, inputs).logits) >= min_cosine
+    # quantizing the program left the user's model alone
+    assert all(torch.equal(weights[name], tensor) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize("name", ["int4_weights_int8_activations", "int8_weights_int8_activations"])
+def test_torchao_quantization_pass_replaces_fp32_linear_weights(name):
+    from collections import Counter
+
+    from hfexport import DynamoConfig, DynamoExporter
+
+    model = build("tiny-llama")
+    passes = [*DynamoExporter.default_passes, name]
+    program = DynamoExporter().export(model, sample_inputs(model), DynamoConfig(dynamic=True, passes=passes))
+    ops = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
+    assert ops["torchao.choose_qparams_affine.default"] == LINEAR_LAYERS
+    assert ops["torchao.dequantize_affine.default"] == 2 * LINEAR_LAYERS  # input and weight of each
+    assert ops["aten.linear.default"] == LINEAR_LAYERS
+    # the fp32 linear weights are gone: the embedding table stays (a 2-D float weight), norms too
+    kept = [key for key, t in program.state_dict.items() if t.dim() == 2 and t.is_floating_point()]
+    assert kept == ["model.embed_tokens.weight"]
+    int8 = [key for key, t in program.constants.items() if key.endswith(".qdata")]
+    assert len(int8) == LINEAR_LAYERS and all(program.constants[k].dtype == torch.int8 for k in int8)
+    inputs = sample_inputs(model, 3, 11, seed=3)  # the program runs eagerly too, at another shape
+    assert cosine(program.module()(**inputs).logits, eager(model, inputs).logits) >= 0.98
+
+
+def test_executorch_quantize_modes_are_checked_when_the_config_is_built():
+    with pytest.raises(ConfigError, match="quantize must be None, '8da4w' .* got 'int3'"):
+        ExecutorchConfig(quantize="int3")
+    assert ExecutorchExporter().pass_list(ExecutorchConfig(quantize="int4"))[-1].name == "int4_weights_int8_activations"
+    assert (
+        ExecutorchExporter().pass_list(ExecutorchConfig(quantize="8da8w"))[-1].name == "int8_weights_int8_activations"
+    )

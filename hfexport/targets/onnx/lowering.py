@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import logging
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +22,14 @@ from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind
 from hfexport.pipeline.capture import Captured
 from hfexport.pipeline.io_names import program_io_names, user_input_names
 from hfexport.targets.manifest import ComponentSpec, OutputSpec, captured_facts, program_inputs
-from hfexport.versions import require_backend
+from hfexport.versions import quiet_loggers, require_backend
 
 ONNX_MODULES = ("onnx", "onnxscript", "onnxruntime")
 
 
-@contextlib.contextmanager
-def _quiet_torch_onnx() -> Iterator[None]:
+def _quiet_torch_onnx() -> contextlib.AbstractContextManager[None]:
     # torch.onnx warns once per missing optional op library (torchvision) on every export.
-    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = registration.level
-    registration.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        registration.setLevel(level)
+    return quiet_loggers("torch.onnx._internal.exporter._registration")
 
 
 def _input_name(path: str, written: bool) -> str:
