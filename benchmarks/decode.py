@@ -47,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from stages_and_latency import SIZES  # the mid-size Llama of the stage benchmark
 
 QUESTION = "What is the capital of France? Answer in one sentence, then name two famous museums there."
+# the teacher-forced agreement: the model's own 64 greedy tokens after this chat prompt
+TEACHER_FORCED_QUESTION = "What is the capital of France?"
+TEACHER_FORCED_TOKENS = 64
 
 
 @dataclass
@@ -63,6 +66,8 @@ class Row:
     decode_tps: float = 0.0
     bound_tps: float = 0.0
     agreement: str = ""
+    top1: float | None = None  # teacher-forced top-1 agreement with eager fp32
+    answer: str = ""  # the greedy answer's text (real checkpoints)
 
 
 def memory_bandwidth_gbs(repeats: int = 5) -> float:
@@ -94,16 +99,39 @@ def build_model(name: str) -> tuple[torch.nn.Module, Path | None]:
     return load_model(name), model_folder(name)
 
 
-def prompt_ids(model_name: str, folder: Path | None, vocab: int) -> torch.Tensor:
+def prompt_ids(folder: Path | None, vocab: int, question: str = QUESTION) -> torch.Tensor:
     if folder is None:  # a random model has no tokenizer: random ids of a chat prompt's length
         return torch.randint(0, vocab, (1, 40), generator=torch.Generator().manual_seed(0))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    messages = [{"role": "user", "content": QUESTION}]
+    messages = [{"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
         "input_ids"
     ]
+
+
+class TeacherForced:
+    """Eager fp32's own greedy continuation of a prompt and its logits at each of those positions;
+    :meth:`top1` feeds the same tokens to an exported decode step in one call and counts the
+    positions where both pick the same next token."""
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> None:
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            self.tokens = model.generate(ids, generation_config=config)
+            self.logits = model(self.tokens).logits
+        self.prompt_len = ids.shape[1]
+
+    def top1(self, step, cache_len: int) -> float:
+        length = self.tokens.shape[1]
+        valid = torch.zeros(1, cache_len, dtype=torch.long)
+        valid[:, :length] = 1
+        logits = torch.as_tensor(step(self.tokens, valid, torch.arange(length), torch.arange(length)[None]))
+        span = slice(self.prompt_len - 1, length - 1)  # the predictions of the new tokens
+        return float((logits[0, span].argmax(-1) == self.logits[0, span].argmax(-1)).double().mean())
 
 
 def timed_generation(step_factory, ids: torch.Tensor, new_tokens: int, cache_len: int, eos, repeats: int):
@@ -221,6 +249,12 @@ def leading_agreement(tokens: torch.Tensor, reference: torch.Tensor, prompt_len:
     return f"{'exact' if exact else 'differs'} ({same}/{len(expected)})"
 
 
+def answer_text(tokenizer, tokens: torch.Tensor, prompt_len: int) -> str:
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(tokens[0, prompt_len:], skip_special_tokens=True).strip()
+
+
 def benchmark(args: argparse.Namespace) -> list[Row]:
     from transformers import GenerationConfig
 
@@ -234,7 +268,14 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
     rows = []
     for model_name in args.models:
         model, folder = build_model(model_name)
-        ids = prompt_ids(model_name, folder, model.config.vocab_size)
+        ids = prompt_ids(folder, model.config.vocab_size)
+        forced_ids = prompt_ids(folder, model.config.vocab_size, TEACHER_FORCED_QUESTION)
+        teacher = TeacherForced(model, forced_ids, TEACHER_FORCED_TOKENS)
+        tokenizer = None
+        if folder is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(folder)
         eos = None if folder is None else model.generation_config.eos_token_id
         # the static-cache decode graph attends over every slot of the cache
         bound = bandwidth * 1e9 / bytes_per_token(model, args.cache_len)
@@ -243,7 +284,8 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
         eager = EagerDecoder(model, args.cache_len)
         reference, first, prefill, decode = eager.run(ids, args.new_tokens, eos, args.repeats)
         row = Row(model_name, "eager", first_token_seconds=first, prefill_tps=prefill, decode_tps=decode)
-        row.bound_tps, row.agreement = bound, "reference"
+        row.bound_tps, row.agreement, row.top1 = bound, "reference", 1.0
+        row.answer = answer_text(tokenizer, reference, ids.shape[1])
         rows.append(row)
         print(f"{model_name} eager: decode {decode:.1f} tok/s (bound {bound:.1f})", file=sys.stderr)
         static = GenerationConfig(cache_implementation="static", max_cache_len=args.cache_len)
@@ -279,6 +321,8 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
                     eos,
                     args.repeats,
                 )
+                row.top1 = teacher.top1(load(), args.cache_len)
+            row.answer = answer_text(tokenizer, tokens, ids.shape[1])
             row.first_token_seconds, row.prefill_tps, row.decode_tps = first, prefill, decode
             row.bound_tps = bandwidth * 1e9 / bytes_per_token(model, args.cache_len, row.artifact_mb * 2**20)
             cosine = float(torch.nn.functional.cosine_similarity(logits.flatten(), prompt_logits.flatten(), dim=0))
@@ -286,7 +330,8 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
             rows.append(row)
             print(
                 f"{model_name} {variant}: export {row.export_seconds:.0f} s, decode {decode:.1f} tok/s "
-                f"({decode / row.bound_tps:.0%} of the bound), {row.agreement}",
+                f"({decode / row.bound_tps:.0%} of the bound), {row.agreement}, teacher-forced top-1 {row.top1:.0%}"
+                + (f", answer: {row.answer!r}" if row.answer else ""),
                 file=sys.stderr,
             )
     return rows
@@ -297,16 +342,21 @@ def markdown(rows: list[Row], bandwidth_note: str, threads: int) -> str:
         f"Decode at batch 1, {threads} thread(s); {bandwidth_note}.",
         "",
         "| model | target | export (s) | stages (s) | peak RSS (MiB) | artifact (MiB) | load (s) | first token (s) "
-        "| prefill tok/s | decode tok/s | bound tok/s | of bound | greedy vs eager |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| prefill tok/s | decode tok/s | bound tok/s | of bound | greedy vs eager "
+        f"| teacher-forced top-1 ({TEACHER_FORCED_TOKENS}) |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         stages = ", ".join(f"{name} {seconds:.0f}" for name, seconds in r.stage_seconds.items())
         lines.append(
             f"| {r.model} | {r.target} | {r.export_seconds:.0f} | {stages} | {r.peak_rss_mb:.0f} | {r.artifact_mb:.0f} "
             f"| {r.load_seconds:.2f} | {r.first_token_seconds:.3f} | {r.prefill_tps:.0f} | {r.decode_tps:.1f} "
-            f"| {r.bound_tps:.1f} | {r.decode_tps / r.bound_tps:.0%} | {r.agreement} |"
+            f"| {r.bound_tps:.1f} | {r.decode_tps / r.bound_tps:.0%} | {r.agreement} | {r.top1:.0%} |"
         )
+    answers = [r for r in rows if r.answer]
+    if answers:
+        lines += ["", "Greedy answers (first line):", ""]
+        lines += [f"- {r.model} {r.target}: {r.answer.splitlines()[0]!r}" for r in answers]
     return "\n".join(lines) + "\n"
 
 

@@ -115,9 +115,11 @@ class _DynamicallyQuantizedLinears(Pass):
                 qdata, scale, zero_point, block = self._quantized(value)
                 stored += qdata.numel() * self.weight_bits // 8 + _tensor_bytes((scale, zero_point))
                 target = parameters[weight.name]
+                # "<weight>_qdata", not "<weight>.qdata": a tied weight stays (the embedding reads
+                # it), and unlifting would read a dotted name as an attribute of that tensor
                 quantized[weight.name] = [
                     *(
-                        add_constant(program, f"{target}.{part}", t)
+                        add_constant(program, f"{target}_{part}", t)
                         for part, t in (("qdata", qdata), ("scale", scale), ("zero_point", zero_point))
                     ),
                     block,

@@ -116,13 +116,21 @@ def test_executorch_quantization_pass_delegates_every_linear_layer_as_quantized(
     assert all(torch.equal(weights[name], tensor) for name, tensor in model.state_dict().items())
 
 
-@pytest.mark.parametrize("name", ["int4_weights_int8_activations", "int8_weights_int8_activations"])
-def test_torchao_quantization_pass_replaces_fp32_linear_weights(name):
+@pytest.mark.parametrize(
+    ("name", "tied"),
+    [
+        ("int4_weights_int8_activations", False),
+        ("int8_weights_int8_activations", False),
+        ("int4_weights_int8_activations", True),
+    ],
+)
+def test_torchao_quantization_pass_replaces_fp32_linear_weights(name, tied):
     from collections import Counter
 
     from hfexport import DynamoConfig, DynamoExporter
 
-    model = build("tiny-llama")
+    # tied: the output projection shares the embedding table (SmolLM2), which stays fp32
+    model = build("tiny-llama", tie_word_embeddings=tied)
     passes = [*DynamoExporter.default_passes, name]
     program = DynamoExporter().export(model, sample_inputs(model), DynamoConfig(dynamic=True, passes=passes))
     ops = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
@@ -130,9 +138,10 @@ def test_torchao_quantization_pass_replaces_fp32_linear_weights(name):
     assert ops["torchao.dequantize_affine.default"] == 2 * LINEAR_LAYERS  # input and weight of each
     assert ops["aten.linear.default"] == LINEAR_LAYERS
     # the fp32 linear weights are gone: the embedding table stays (a 2-D float weight), norms too
-    kept = [key for key, t in program.state_dict.items() if t.dim() == 2 and t.is_floating_point()]
-    assert kept == ["model.embed_tokens.weight"]
-    int8 = [key for key, t in program.constants.items() if key.endswith(".qdata")]
+    kept = {key for key, t in program.state_dict.items() if t.dim() == 2 and t.is_floating_point()}
+    # (a tied table is listed under both names)
+    assert kept == {"model.embed_tokens.weight", *(["lm_head.weight"] if tied else [])}
+    int8 = [key for key, t in program.constants.items() if key.endswith("_qdata")]
     assert len(int8) == LINEAR_LAYERS and all(program.constants[k].dtype == torch.int8 for k in int8)
     inputs = sample_inputs(model, 3, 11, seed=3)  # the program runs eagerly too, at another shape
     assert cosine(program.module()(**inputs).logits, eager(model, inputs).logits) >= 0.98
