@@ -4,7 +4,9 @@ On the captured program (stage ``fx_passes``, for ExecuTorch's XNNPACK delegate)
 quantization primitives:
 
 - ``int4_weights_int8_activations`` ("8da4w"): each linear layer's weight in symmetric 4-bit
-  groups of ``group_size`` along the input axis, its input quantized per token to int8 at run time;
+  groups of ``group_size`` along the input axis (scales by HQQ, ``algorithm="hqq"``, or by
+  round-to-nearest, ``"affine"``), its input quantized per token to int8 at run time (XNNPACK's
+  4-bit kernels take symmetric groups only);
 - ``int8_weights_int8_activations`` ("8da8w"): int8 weights per output channel, the same
   activations.
 
@@ -169,7 +171,9 @@ class Int4WeightsInt8Activations(_DynamicallyQuantizedLinears):
     weight_dtype = torch.int4
     weight_bits = 4
 
-    def __init__(self, group_size: int = 32, algorithm: str = "affine") -> None:
+    def __init__(self, group_size: int = 32, algorithm: str = "hqq") -> None:
+        # HQQ's scales measured better than round-to-nearest on SmolLM2-135M (mean logit cosine
+        # 0.85 against 0.81 over 64 teacher-forced positions, the same top-1 agreement)
         super().__init__(group_size, algorithm)
 
 
