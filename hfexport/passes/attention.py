@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.fx import Graph, Node
 
@@ -46,5 +48,114 @@ zero_fully_masked_attention_rows = rule_pass(
     reduction over the mask per attention call.
 
     An SDPA call with a float (additive) mask is left as is and counted as missed.
+    """,
+)
+
+
+_MAX_INDEX = 2**62  # a slice end at least this large is "to the end" (torch writes sys.maxsize)
+
+
+def _strip_full_slices(node: Any) -> Any:
+    while (
+        isinstance(node, Node)
+        and node.op == "call_function"
+        and node.target is aten.slice.Tensor
+        and _is_full_slice(node)
+    ):
+        node = node.args[0]
+    return node
+
+
+def _is_full_slice(node: Node) -> bool:
+    args = arguments(node)
+    start, end, step = args.get("start", 0), args.get("end"), args.get("step", 1)
+    if start not in (0, None) or step != 1:
+        return False
+    if end is None or (isinstance(end, int) and end >= _MAX_INDEX):
+        return True
+    size = args["self"].meta["val"].shape[args.get("dim", 0)]
+    return isinstance(end, int) and isinstance(size, int) and end >= size
+
+
+def _repeated_kv(node: Any) -> tuple[Node, int] | None:
+    """``(kv, groups)`` when ``node`` is transformers' ``repeat_kv(kv, groups)``: a reshape to
+    ``[batch, heads * groups, length, dim]`` of ``kv[:, :, None]`` expanded over the groups."""
+    if not (isinstance(node, Node) and node.target in (aten.reshape.default, aten.view.default)):
+        return None
+    expand = node.args[0]
+    if not (isinstance(expand, Node) and expand.target is aten.expand.default):
+        return None
+    unsqueezed = _strip_full_slices(expand.args[0])
+    if not (isinstance(unsqueezed, Node) and unsqueezed.target is aten.unsqueeze.default and unsqueezed.args[1] == 2):
+        return None
+    kv = _strip_full_slices(unsqueezed.args[0])
+    groups = expand.meta["val"].shape[2]
+    if kv.meta["val"].dim() != 4 or not isinstance(groups, int) or groups < 2:
+        return None
+    return kv, groups
+
+
+def _is_sdpa_over_repeated_kv(node: Node) -> bool:
+    return (
+        node.op == "call_function"
+        and node.target is aten.scaled_dot_product_attention.default
+        and _repeated_kv(arguments(node)["key"]) is not None
+    )
+
+
+def _check_grouped(node: Node) -> str | None:
+    args = arguments(node)
+    key, value = _repeated_kv(args["key"]), _repeated_kv(args["value"])
+    if value is None or key[1] != value[1]:
+        return "keys and values are not repeated alike"
+    if args.get("is_causal") or args.get("dropout_p", 0.0):
+        return "causal or dropout SDPA"
+    mask = args.get("attn_mask")
+    if mask is not None and (mask.meta["val"].dim() != 4 or mask.meta["val"].shape[1] != 1):
+        return "the mask is not [batch, 1, queries, keys]"
+    return None
+
+
+def _size(edit: GraphEditor, node: Node, dim: int) -> Any:
+    size = node.meta["val"].shape[dim]
+    return size if isinstance(size, int) else edit.call(aten.sym_size.int, node, dim)
+
+
+def _rewrite_grouped(graph: Graph, node: Node) -> None:
+    args = arguments(node)
+    query, mask = args["query"], args.get("attn_mask")
+    (key, groups), (value, _) = _repeated_kv(args["key"]), _repeated_kv(args["value"])
+    edit = GraphEditor(graph, node)
+    batch, heads, dim = _size(edit, query, 0), query.meta["val"].shape[1], query.meta["val"].shape[3]
+    kv_heads = heads // groups
+    # query head h reads kv head h // groups: [b, kv, groups, q, d] → [b, kv, groups * q, d]
+    grouped_query = edit.call(aten.reshape.default, query, [batch, kv_heads, -1, dim])
+    grouped_mask = None
+    if mask is not None:
+        # each group's rows see the mask's rows: [b, 1, q, k] → [b, 1, groups * q, k]
+        rows = edit.call(aten.unsqueeze.default, mask, 2)
+        rows = edit.call(aten.expand.default, rows, [-1, -1, groups, _size(edit, query, 2), -1])
+        grouped_mask = edit.call(aten.reshape.default, rows, [_size(edit, mask, 0), 1, -1, _size(edit, mask, 3)])
+    kwargs = {"attn_mask": grouped_mask}
+    if args.get("scale") is not None:
+        kwargs["scale"] = args["scale"]
+    attention = edit.call(aten.scaled_dot_product_attention.default, grouped_query, key, value, **kwargs)
+    output = edit.call(aten.reshape.default, attention, [batch, heads, -1, dim])
+    node.replace_all_uses_with(output)
+    graph.erase_node(node)
+
+
+grouped_query_attention = rule_pass(
+    "grouped_query_attention",
+    [RewriteRule("attend_per_kv_head", _is_sdpa_over_repeated_kv, _check_grouped, _rewrite_grouped)],
+    runs_before=("dead_code_elimination", "zero_fully_masked_attention_rows"),
+    description="""Attend over each key/value head once instead of over copies of it: SDPA over
+    transformers' ``repeat_kv`` keys and values (each KV head expanded to the query heads that share
+    it) becomes SDPA of ``[batch, kv_heads, groups * queries, dim]`` queries over the KV heads
+    themselves, with the mask's rows repeated per group (the query rows are few; the cache is long).
+
+    On targets that materialise the expansion (ExecuTorch's portable ``expand_copy`` and
+    ``view_copy``, ONNX ``Expand``) this saves copying every layer's whole KV cache ``groups``
+    times per decode step. The same products and sums are computed, so results match to rounding.
     """,
 )

@@ -1,5 +1,7 @@
-"""zero_fully_masked_attention_rows: counts and numerics (eager semantics kept in torch)."""
+"""Attention passes: zero_fully_masked_attention_rows and grouped_query_attention, counts and
+numerics (eager semantics kept in torch)."""
 
+import pytest
 import torch
 
 from hfexport import get_pass
@@ -37,3 +39,58 @@ def test_float_masks_are_left_alone():
     assert result.counts == {"rewritten": 0, "missed": 1} and not result.modified
     assert "| missed: mask is not boolean (torch.float32) |" in result.files["rewrites.md"]
     assert count(result.program, aten.where.ScalarOther) == 0
+
+
+def repeat_kv(x, groups):
+    """transformers' repeat_kv: each KV head expanded to the query heads that share it."""
+    batch, heads, length, dim = x.shape
+    return x[:, :, None, :, :].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)
+
+
+class GroupedAttention(torch.nn.Module):
+    def forward(self, q, k, v, mask):
+        groups = q.shape[1] // k.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=0.3
+        )
+
+
+@pytest.mark.parametrize(
+    ("mask_shape", "dtype"), [((2, 1, 5, 9), torch.bool), ((2, 1, 1, 9), torch.bool), ((1, 1, 5, 9), torch.float32)]
+)
+def test_grouped_query_attention_attends_over_each_kv_head_once(mask_shape, dtype):
+    q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+    mask = torch.rand(mask_shape) > 0.3 if dtype == torch.bool else torch.randn(mask_shape)
+    if dtype == torch.bool:
+        mask[..., 0] = True  # every row sees a key
+    batch = torch.export.Dim("batch", min=1, max=8)
+    queries = torch.export.Dim("queries", max=9)
+    mask_axes = {**({0: batch} if mask_shape[0] > 1 else {}), **({2: queries} if mask_shape[2] > 1 else {})}
+    dynamic = ({0: batch, 2: queries}, {0: batch}, {0: batch}, mask_axes or None)
+    program = torch.export.export(GroupedAttention(), (q, k, v, mask), dynamic_shapes=dynamic)
+    assert count(program, aten.expand.default) == 2
+    result = get_pass("grouped_query_attention")(program)
+    assert result.counts == {"rewritten": 1, "missed": 0}
+    sdpa = next(n for n in result.program.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+    assert [tuple(a.meta["val"].shape[1:]) for a in sdpa.args[1:3]] == [(2, 9, 8), (2, 9, 8)]  # the KV heads
+    result.program.graph_module.graph.eliminate_dead_code()
+    assert count(result.program, aten.expand.default) == 1  # the mask rows, repeated per group
+    for batch_size, query_len in [(2, 5), (3, 2)]:  # the sample's shape, another batch and length
+        q = torch.randn(batch_size, 6, query_len, 8)
+        k, v = torch.randn(batch_size, 2, 9, 8), torch.randn(batch_size, 2, 9, 8)
+        m = mask[:1].repeat(batch_size, 1, 1, 1) if mask_shape[0] > 1 else mask
+        m = m[:, :, :query_len] if mask_shape[2] > 1 else m
+        torch.testing.assert_close(
+            result.program.module()(q, k, v, m), GroupedAttention()(q, k, v, m), atol=1e-6, rtol=1e-5
+        )
+
+
+def test_grouped_query_attention_leaves_causal_attention_alone():
+    class Causal(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), is_causal=True)
+
+    program = torch.export.export(Causal(), (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)))
+    result = get_pass("grouped_query_attention")(program)
+    assert result.counts == {"rewritten": 0, "missed": 1} and not result.modified
+    assert "causal or dropout SDPA" in result.files["rewrites.md"]
