@@ -16,7 +16,11 @@ one graph serves the prompt and every step) and measures:
   (bandwidth / bytes) reached;
 - greedy agreement with eager fp32: the number of leading new tokens identical to
   ``model.generate(do_sample=False)`` (token-exact is all of them), and the cosine similarity of
-  the prompt's last logits with eager's (what to read for quantized variants).
+  the prompt's last logits with eager's (what to read for quantized variants);
+- the teacher-forced top-1 agreement: eager fp32's own 64 greedy tokens after the chat prompt
+  "What is the capital of France?" fed to the exported graph in one call, and the fraction of
+  those positions where it picks the same next token as eager; and, for real checkpoints, the
+  greedy answer's first line (does it still say Paris?).
 
 Each row's bound counts the bytes its own artifact holds (quantized weights are smaller), plus the
 static KV cache.
