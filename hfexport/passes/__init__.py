@@ -5,6 +5,7 @@ from hfexport.passes import (  # noqa: F401
     cache,
     cleanup,
     convolution,
+    delegation,
     moe,
     onnx_graph,
     portable_kernels,
