@@ -121,6 +121,31 @@ def _size(edit: GraphEditor, node: Node, dim: int) -> Any:
     return size if isinstance(size, int) else edit.call(aten.sym_size.int, node, dim)
 
 
+_GROUPED_MASK = "hfexport.grouped_mask_of"  # meta of the reshape that repeats a mask's rows
+
+
+def _grouped_mask(edit: GraphEditor, mask: Node, groups: int, query: Node) -> Node:
+    """Each group's rows see the mask's rows: ``[b, 1, q, k]`` → ``[b, 1, groups * q, k]``, made once
+    per mask and shared by every layer that attends with it."""
+    for user in mask.users:
+        for grouped in _users_chain(user):
+            if grouped.meta.get(_GROUPED_MASK) == groups:
+                return grouped
+    rows = edit.call(aten.unsqueeze.default, mask, 2)
+    rows = edit.call(aten.expand.default, rows, [-1, -1, groups, _size(edit, query, 2), -1])
+    grouped = edit.call(aten.reshape.default, rows, [_size(edit, mask, 0), 1, -1, _size(edit, mask, 3)])
+    grouped.meta[_GROUPED_MASK] = groups
+    return grouped
+
+
+def _users_chain(node: Node, depth: int = 3) -> list[Node]:
+    chain = [node]
+    while depth and len(chain[-1].users) == 1:
+        chain.append(next(iter(chain[-1].users)))
+        depth -= 1
+    return chain
+
+
 def _rewrite_grouped(graph: Graph, node: Node) -> None:
     args = arguments(node)
     query, mask = args["query"], args.get("attn_mask")
@@ -130,12 +155,7 @@ def _rewrite_grouped(graph: Graph, node: Node) -> None:
     kv_heads = heads // groups
     # query head h reads kv head h // groups: [b, kv, groups, q, d] → [b, kv, groups * q, d]
     grouped_query = edit.call(aten.reshape.default, query, [batch, kv_heads, -1, dim])
-    grouped_mask = None
-    if mask is not None:
-        # each group's rows see the mask's rows: [b, 1, q, k] → [b, 1, groups * q, k]
-        rows = edit.call(aten.unsqueeze.default, mask, 2)
-        rows = edit.call(aten.expand.default, rows, [-1, -1, groups, _size(edit, query, 2), -1])
-        grouped_mask = edit.call(aten.reshape.default, rows, [_size(edit, mask, 0), 1, -1, _size(edit, mask, 3)])
+    grouped_mask = None if mask is None else _grouped_mask(edit, mask, groups, query)
     kwargs = {"attn_mask": grouped_mask}
     if args.get("scale") is not None:
         kwargs["scale"] = args["scale"]
@@ -152,7 +172,8 @@ grouped_query_attention = rule_pass(
     description="""Attend over each key/value head once instead of over copies of it: SDPA over
     transformers' ``repeat_kv`` keys and values (each KV head expanded to the query heads that share
     it) becomes SDPA of ``[batch, kv_heads, groups * queries, dim]`` queries over the KV heads
-    themselves, with the mask's rows repeated per group (the query rows are few; the cache is long).
+    themselves, with the mask's rows repeated per group once for all layers (the query rows are
+    few; the cache is long).
 
     On targets that materialise the expansion (ExecuTorch's portable ``expand_copy`` and
     ``view_copy``, ONNX ``Expand``) this saves copying every layer's whole KV cache ``groups``

@@ -94,3 +94,20 @@ def test_grouped_query_attention_leaves_causal_attention_alone():
     result = get_pass("grouped_query_attention")(program)
     assert result.counts == {"rewritten": 0, "missed": 1} and not result.modified
     assert "causal or dropout SDPA" in result.files["rewrites.md"]
+
+
+def test_grouped_query_attention_repeats_a_shared_mask_once_for_all_layers():
+    class TwoLayers(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            first = GroupedAttention()(q, k, v, mask)
+            return GroupedAttention()(first, k * 2, v, mask)
+
+    q, k, v = torch.randn(1, 6, 5, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    mask = torch.rand(1, 1, 5, 9) > 0.3
+    mask[..., 0] = True
+    program = torch.export.export(TwoLayers(), (q, k, v, mask))
+    result = get_pass("grouped_query_attention")(program)
+    assert result.counts == {"rewritten": 2, "missed": 0}
+    result.program.graph_module.graph.eliminate_dead_code()
+    assert count(result.program, aten.expand.default) == 1  # the mask's rows, once
+    torch.testing.assert_close(result.program.module()(q, k, v, mask), TwoLayers()(q, k, v, mask), atol=1e-6, rtol=1e-5)
