@@ -292,6 +292,7 @@ class ExecutorchExporter(HfExporter):
         "grouped_mm_to_batched_mm",
         "whole_input_convolutions_as_linear",
         "grouped_query_attention",
+        "attention_as_matmuls",
         "last_axis_mean_as_linear",
         "histc_to_comparisons",
         "sort_to_topk",
