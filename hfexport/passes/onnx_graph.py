@@ -20,7 +20,9 @@ def onnx_optimizer(program: Any) -> PassResult:
     import onnxscript.optimizer
 
     before = _node_count(program)
-    onnxscript.optimizer.optimize(program.model)
+    # one round of folding and rewrite rules: the second round onnxscript runs by default took
+    # half the pass's time on SmolLM2-135M (26 s against 14 s) for 6 nodes fewer out of 2,690
+    onnxscript.optimizer.optimize(program.model, num_iterations=1)
     after = _node_count(program)
     return PassResult(program, modified=before != after, counts={"nodes_removed": before - after})
 
