@@ -226,18 +226,28 @@ class EagerDecoder:
 
 
 def variant_config(variant: str) -> tuple[str, object]:
-    """``target[:quantize][+pass…]``: e.g. ``onnx``, ``onnx:int4``, ``onnx+onnx_ort_fusions`` (extra
-    passes appended to the target's default list)."""
+    """``target[:quantize][+pass…][-pass…]``: e.g. ``onnx``, ``onnx:int4``, ``onnx+onnx_ort_fusions``
+    (a pass appended to the target's default list), ``executorch-attention_as_matmuls`` (a default
+    pass left out, to measure what it brings)."""
+    import re
+
     from hfexport.auto import AutoHfExporter
 
-    head, *extra = variant.split("+")
+    head, *changes = re.split(r"(?=[+-])", variant)
     target, _, quantize = head.partition(":")
     values: dict[str, object] = {"export_format": target, "dynamic": True}
     if quantize:
         values["quantize"] = quantize
     config = AutoExportConfig.from_dict(values)
-    if extra:
-        config.passes = [*AutoHfExporter.from_config(config).pass_list(config), *extra]
+    if changes:
+        passes = AutoHfExporter.from_config(config).pass_list(config)
+        for change in changes:
+            name = change[1:]
+            if change[0] == "+":
+                passes.append(name)
+            else:
+                passes = [p for p in passes if getattr(p, "name", p) != name]
+        config.passes = passes
     return target, config
 
 
@@ -389,7 +399,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="smollm2-135m-instruct,mid-llama")
     parser.add_argument(
-        "--targets", default="dynamo,onnx,onnx:int4,onnx:int8,executorch", help="variants: target[:quantize][+pass]"
+        "--targets",
+        default="dynamo,onnx,onnx:int4,onnx:int8,executorch,executorch:8da4w,executorch:8da8w",
+        help="variants: target[:quantize][+pass][-pass]",
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=48)
