@@ -18,10 +18,11 @@ uses (an embedding tied to the output projection keeps its fp32 table).
 On the ONNX model (stage ``onnx_passes``), ONNX Runtime's own quantizers, after the onnxscript
 optimizer has folded each linear layer's weight into one constant ``MatMul`` input:
 
-- ``onnx_int4_weights``: 4-bit weights in blocks of ``group_size`` along the input axis, symmetric,
-  as ``com.microsoft::MatMulNBits`` (ONNX Runtime's ``MatMulNBitsQuantizer``); with
-  ``accuracy_level=4`` the kernel quantizes activations to int8 on the fly, ONNX Runtime's fast CPU
-  path.
+- ``onnx_int4_weights``: 4-bit weights in blocks of ``group_size`` along the input axis,
+  asymmetric by default (``symmetric=True`` for symmetric blocks), as
+  ``com.microsoft::MatMulNBits`` (ONNX Runtime's ``MatMulNBitsQuantizer``); with
+  ``accuracy_level=4`` the kernel quantizes activations to int8 on the fly, ONNX Runtime's fast
+  CPU path.
 - ``onnx_int8_dynamic``: int8 weights and dynamically quantized int8 activations
   (``quantize_dynamic``: ``DynamicQuantizeLinear`` + ``MatMulInteger``).
 
@@ -98,7 +99,8 @@ class _DynamicallyQuantizedLinears(Pass):
         ops = torch.ops.torchao
         qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[self.weight_dtype]
         parameters = program.graph_signature.inputs_to_parameters
-        quantized: dict[str, list[Any]] = {}  # weight placeholder → (qdata, scale, zero point) nodes
+        quantized: dict[str, tuple[Any, ...]] = {}  # weight placeholder → (qdata, scale, zero point, block)
+        uses: dict[str, int] = {}
         before = _tensor_bytes(program.state_dict.values())
         stored = 0  # the quantized weights' bytes as the delegate stores them (4-bit values packed)
         count = 0
@@ -114,19 +116,20 @@ class _DynamicallyQuantizedLinears(Pass):
             if self.group_size and value.shape[1] % self.group_size:
                 continue
             if weight.name not in quantized:
-                qdata, scale, zero_point, block = self._quantized(value)
-                stored += qdata.numel() * self.weight_bits // 8 + _tensor_bytes((scale, zero_point))
-                target = parameters[weight.name]
-                # "<weight>_qdata", not "<weight>.qdata": a tied weight stays (the embedding reads
-                # it), and unlifting would read a dotted name as an attribute of that tensor
-                quantized[weight.name] = [
-                    *(
-                        add_constant(program, f"{target}_{part}", t)
-                        for part, t in (("qdata", qdata), ("scale", scale), ("zero_point", zero_point))
-                    ),
-                    block,
-                ]
-            qdata, scale, zero_point, block = quantized[weight.name]
+                quantized[weight.name] = self._quantized(value)
+            *tensors, block = quantized[weight.name]
+            stored += tensors[0].numel() * self.weight_bits // 8 + _tensor_bytes(tensors[1:])
+            # "<weight>_qdata", not "<weight>.qdata": a tied weight stays (the embedding reads it),
+            # and unlifting would read a dotted name as an attribute of that tensor. One set of
+            # constants per linear layer, even for a weight several layers share: ExecuTorch fails
+            # to unlift a delegate whose constant another delegate also holds ("... is not a buffer")
+            use = uses[weight.name] = uses.get(weight.name, -1) + 1
+            suffix = f"_{use}" if use else ""
+            target = parameters[weight.name]
+            qdata, scale, zero_point = (
+                add_constant(program, f"{target}_{part}{suffix}", t)
+                for part, t in zip(("qdata", "scale", "zero_point"), tensors, strict=True)
+            )
             edit = GraphEditor(program.graph, node)
             rank = x.meta["val"].dim()
             token_block = [1] * (rank - 1) + [value.shape[1]]
@@ -223,7 +226,7 @@ def _counts(before: Any, after: Any, op_types: tuple[str, ...]) -> dict[str, int
 
 
 class OnnxInt4Weights(Pass):
-    """MatMul weights to symmetric 4-bit blocks (ONNX Runtime MatMulNBits)."""
+    """MatMul weights to 4-bit blocks, asymmetric by default (ONNX Runtime MatMulNBits)."""
 
     name = "onnx_int4_weights"
     description = "MatMul weights to 4-bit blocks of group_size (ONNX Runtime MatMulNBits); activations int8 on the fly"

@@ -154,3 +154,21 @@ def test_executorch_quantize_modes_are_checked_when_the_config_is_built():
     assert (
         ExecutorchExporter().pass_list(ExecutorchConfig(quantize="8da8w"))[-1].name == "int8_weights_int8_activations"
     )
+
+
+def test_a_weight_shared_by_two_layers_is_quantized_once_and_runs_on_executorch():
+    from hfexport.targets.executorch.lowering import run_pte
+
+    class Shared(torch.nn.Module):  # ALBERT-style: one linear layer applied twice
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.proj(torch.cumsum(self.proj(x), -1))  # cumsum: not XNNPACK, two delegates
+
+    model, x = Shared().eval(), torch.randn(2, 3, 64)
+    result = ExecutorchExporter().run(model, {"x": x}, ExecutorchConfig(quantize="8da4w"))
+    (record,) = [p for s in result.records for p in s.children if p.name == "int4_weights_int8_activations"]
+    assert record.counts[QUANTIZED_WEIGHTS] == 1 and record.counts["quantized_linears"] == 2
+    assert cosine(run_pte(result.program, {"x": x})[0], model(x).detach()) >= 0.98
