@@ -22,8 +22,10 @@ one graph serves the prompt and every step) and measures:
   those positions where it picks the same next token as eager; and, for real checkpoints, the
   greedy answer's first line (does it still say Paris?).
 
-Each row's bound counts the bytes its own artifact holds (quantized weights are smaller), plus the
-static KV cache.
+The bound of an fp32 row counts the model's weights once (a tied embedding table once, although an
+ExecuTorch .pte stores it twice: as the table and as XNNPACK's packed output projection); a
+quantized row counts its artifact's bytes less the fp32 embedding table, which a step reads one row
+of; both add the static KV cache.
 
 Writes ``decode.md`` (the table) and ``decode.png`` (tokens/s per target against each model's
 bound) into ``--out``. Ratios are what to read: the machine is shared and noisy.
@@ -88,13 +90,19 @@ def memory_bandwidth_gbs(repeats: int = 5) -> float:
 
 def bytes_per_token(model: torch.nn.Module, cache_tokens: int, weight_bytes: float | None = None) -> float:
     """What one decode step reads at least: every weight once (tied weights once; ``weight_bytes``
-    when given: an artifact's, quantized or not) and the keys and values of ``cache_tokens`` tokens."""
+    when given: a quantized artifact's) and the keys and values of ``cache_tokens`` tokens."""
     weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
     config = model.config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache = 2 * config.num_hidden_layers * heads * head_dim * cache_tokens * 4
     return (sum(weights.values()) if weight_bytes is None else weight_bytes) + cache
+
+
+def embedding_bytes(model: torch.nn.Module) -> int:
+    """The input embedding table's bytes (a quantized artifact keeps it fp32; a step reads one row)."""
+    table = model.get_input_embeddings().weight
+    return table.numel() * table.element_size()
 
 
 def build_model(name: str) -> tuple[torch.nn.Module, Path | None]:
@@ -338,7 +346,9 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
                 row.top1 = teacher.top1(load(), args.cache_len)
             row.answer = answer_text(tokenizer, tokens, ids.shape[1])
             row.first_token_seconds, row.prefill_tps, row.decode_tps = first, prefill, decode
-            row.bound_tps = bandwidth * 1e9 / bytes_per_token(model, args.cache_len, row.artifact_mb * 2**20)
+            quantized = getattr(config, "quantize", None)
+            weight_bytes = row.artifact_mb * 2**20 - embedding_bytes(model) if quantized else None
+            row.bound_tps = bandwidth * 1e9 / bytes_per_token(model, args.cache_len, weight_bytes)
             cosine = float(torch.nn.functional.cosine_similarity(logits.flatten(), prompt_logits.flatten(), dim=0))
             row.agreement = f"{leading_agreement(tokens, reference, ids.shape[1])}, logit cosine {cosine:.4f}"
             rows.append(row)
