@@ -87,6 +87,23 @@ class DecodeMasks:
         return {"attention_mask": masks.contiguous()}
 
 
+class StaticCacheDecoder:
+    """What the targets' decoders share: the static cache the decode graph reads and writes
+    (``cache``: tensors by input path, or the cache object's pytree) and its length."""
+
+    cache: Any
+    max_cache_len: int
+
+    def reset(self) -> None:
+        """Empty the cache (keys, values and token counters), in place, so the next call starts
+        a new sequence; :func:`greedy_decode` calls it before each prompt."""
+        import torch.utils._pytree as pytree
+
+        for tensor in pytree.tree_leaves(self.cache):
+            if isinstance(tensor, torch.Tensor):
+                tensor.zero_()
+
+
 def greedy_decode(
     step: Any,
     prompt_ids: torch.Tensor,
@@ -106,6 +123,9 @@ def greedy_decode(
     ``[batch, prompt + new]`` token ids, like ``model.generate(do_sample=False)``: left padding
     (``prompt_mask``) is honoured and rows that produced an ``eos_token_id`` (one id or several) are
     padded with ``pad_token_id``. ``on_token(tokens)`` sees each new ``[batch, 1]`` column as it comes.
+
+    A ``step`` with a ``reset()`` method (every target's decoder) is reset first: the graph writes
+    at its cache's token counters, so one decoder serves any number of generations.
     """
     batch, prompt_len = prompt_ids.shape
     if prompt_len + max_new_tokens > max_cache_len:
@@ -117,6 +137,8 @@ def greedy_decode(
         [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     )
     prompt_mask = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask.long()
+    if callable(reset := getattr(step, "reset", None)):
+        reset()
     valid = torch.zeros(batch, max_cache_len, dtype=torch.long)
     valid[:, :prompt_len] = prompt_mask
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)

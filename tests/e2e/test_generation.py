@@ -25,6 +25,15 @@ def reference_tokens(model, prompt, new_tokens=16):
         return model.generate(**prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
 
+def assert_a_second_generation_matches(decoder, model):
+    """One decoder serves a later, different prompt: the graph writes at its cache's token
+    counters, so a stale counter from the first generation would write the wrong slots (and,
+    past the cache's end, fail)."""
+    prompt = sample_inputs(model, 2, 9, seed=7)
+    tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
+    assert torch.equal(tokens, reference_tokens(model, prompt))
+
+
 def test_decompose_decoder_only_keeps_a_stable_signature():
     model = build("tiny-llama")
     prompt = sample_inputs(model, 2, 6)
@@ -74,6 +83,7 @@ def test_static_multi_token_decode_generates_the_same_tokens(preset):
     tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
     assert torch.equal(tokens, reference_tokens(model, prompt))
     assert int(decoder.cache.get_seq_length()) == 6 + 15  # the cache was written in place
+    assert_a_second_generation_matches(decoder, model)
 
 
 def test_sliding_window_decode_applies_the_window_past_it():
@@ -260,6 +270,7 @@ def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tm
     assert torch.equal(tokens, reference_tokens(model, prompt))
     # IO binding wrote the cache in place: the counter in our own buffer advanced
     assert int(decoder.cache["cache.layers.0.cumulative_length"]) == 6 + 15
+    assert_a_second_generation_matches(decoder, model)
 
 
 # make test keeps a plain decoder and the sliding-window one (the ExecuTorch lowering is the slow
@@ -284,6 +295,7 @@ def test_executorch_static_decode_generates_the_same_tokens(preset, tmp_path):
     decoder = export.decoder(batch_size=2)
     tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
     assert torch.equal(tokens, reference_tokens(model, prompt))
+    assert_a_second_generation_matches(decoder, model)
 
 
 def test_a_failing_component_is_named(monkeypatch):

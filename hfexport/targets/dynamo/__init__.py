@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from hfexport.generation import StaticCacheDecoder
 from hfexport.pipeline.artifacts import flat_tensors
 from hfexport.pipeline.capture import Captured, copy_inputs
 from hfexport.targets import Target
@@ -53,7 +54,7 @@ class DynamoRunner(Runner):
             return flat_tensors(self.module(**copy_inputs(normalize_inputs(inputs, renames=True))))
 
 
-class DynamoDecoder:
+class DynamoDecoder(StaticCacheDecoder):
     """``step`` for :func:`~hfexport.generation.greedy_decode` over an exported decode
     ``ExportedProgram``: the static cache is a copy of the one in the program's example inputs,
     reset, resized to the batch, and updated in place by each call."""

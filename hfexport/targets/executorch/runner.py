@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from hfexport.errors import HfExportError
+from hfexport.generation import StaticCacheDecoder
 from hfexport.targets.manifest import ComponentSpec, Manifest
 from hfexport.targets.runner import Runner
 
@@ -81,7 +82,7 @@ def _spec_of(source: Any) -> ComponentSpec:
     return manifest.component(component)
 
 
-class ExecutorchDecoder:
+class ExecutorchDecoder(StaticCacheDecoder):
     """``step`` for :func:`~hfexport.generation.greedy_decode` over an exported static-cache decode
     ``.pte`` with its manifest (which names the inputs and the write-back of each cache input).
 

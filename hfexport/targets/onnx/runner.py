@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from hfexport.errors import HfExportError
+from hfexport.generation import StaticCacheDecoder
 from hfexport.targets.manifest import ComponentSpec, InputSpec, Manifest, OutputSpec
 from hfexport.targets.runner import Runner
 
@@ -93,7 +94,7 @@ class OnnxRunner(Runner):
         return dict(zip(names, self.session.run(None, self.feed(inputs)), strict=True))
 
 
-class OnnxDecoder:
+class OnnxDecoder(StaticCacheDecoder):
     """``step`` for :func:`~hfexport.generation.greedy_decode` over an exported static-cache decode
     ``.onnx`` with its manifest.
 
