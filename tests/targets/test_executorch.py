@@ -222,3 +222,27 @@ def test_spec_example_with_the_real_qwen3_config_values_loads_and_runs(tmp_path,
     torch.testing.assert_close(outputs[0], eager(model, inputs).logits, atol=1e-4, rtol=0)
     assert "planned_memory_mb=" in result.report  # the report shows the planned memory
     assert result.record("capture").counts == {"max_batch_size": 8, "max_seq_len": 1024}
+
+
+def test_a_program_writing_its_input_in_place_lowers_without_whole_tensor_copies():
+    from hfexport.targets.executorch.lowering import partitioners, to_edge
+
+    class CacheWrite(torch.nn.Module):
+        def forward(self, cache, slots, states):
+            cache.index_copy_(2, slots, states)
+            return cache.sum(-1)
+
+    cache, slots, states = torch.zeros(1, 2, 16, 4), torch.tensor([3, 4]), torch.randn(1, 2, 2, 4)
+    program = torch.export.export(CacheWrite(), (), {"cache": cache.clone(), "slots": slots, "states": states})
+    edge = to_edge(program, partitioners("xnnpack"))
+    graph = edge.exported_program().graph
+    ops = [getattr(n.target, "_name", "") for n in graph.nodes if n.op == "call_function"]
+    # the partitioners' decomposition left two copy(cache, new value) per written input
+    assert ops.count("aten::copy") == 0 and ops.count("aten::index_put") == 1
+
+    written = cache.clone()
+    expected = CacheWrite()(written, slots, states)
+    lowered = edge.to_executorch()
+    got, write_back = ExecutorchRunner(lowered).run({"cache": cache.clone(), "slots": slots, "states": states})[::-1]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(write_back, written, rtol=0, atol=0)

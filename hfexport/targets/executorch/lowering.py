@@ -91,7 +91,41 @@ def to_edge(program: torch.export.ExportedProgram, partitioners: list[Any]) -> A
     # out differently from what capture recorded, and a view after it (GPT-2's Conv1D) then
     # fails with "Cannot view a tensor with shape ... and strides ..." (pytorch/pytorch#136543).
     with sdpa_kernel(SDPBackend.MATH):
-        return _gen_edge_manager_for_partitioners({"forward": partitioners}, {"forward": program}, config, None, False)
+        edge = _gen_edge_manager_for_partitioners({"forward": partitioners}, {"forward": program}, config, None, False)
+    drop_same_layout_copies(edge.exported_program())
+    return edge
+
+
+def drop_same_layout_copies(program: torch.export.ExportedProgram) -> int:
+    """Replace each functional ``copy(like, src)`` whose ``like`` has ``src``'s shape, strides and
+    dtype by ``src`` itself (the values are ``src``'s), and return how many went.
+
+    Decomposing a program that writes its inputs in place (a static cache) for the partitioners
+    functionalises it twice, and each round leaves a ``copy(cache, new value)`` per written input:
+    two whole-cache copies per layer and step. Only a ``src`` computed in the graph qualifies: a
+    program input may be written back before a user of the copy runs (pytorch/pytorch#198131)."""
+    graph = program.graph_module.graph
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or getattr(node.target, "_name", None) != "aten::copy":
+            continue
+        like, src = node.args[0], node.args[1]
+        if len(node.args) > 2 or node.kwargs or not isinstance(src, torch.fx.Node) or src.op == "placeholder":
+            continue
+        a, b = like.meta.get("val"), src.meta.get("val")
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            continue
+        if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
+            continue
+        node.replace_all_uses_with(src)
+        for spec in program.graph_signature.output_specs:  # the write-back of an input names its value
+            if getattr(spec.arg, "name", None) == node.name:
+                spec.arg = type(spec.arg)(name=src.name)
+        graph.erase_node(node)
+        dropped += 1
+    if dropped:
+        program.graph_module.recompile()
+    return dropped
 
 
 def delegate(edge: Any, partitioners: list[Any], run: PipelineRun) -> Any:

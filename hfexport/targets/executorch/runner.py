@@ -88,7 +88,8 @@ class ExecutorchDecoder(StaticCacheDecoder):
 
     The Python runtime copies inputs into the method's planned buffers and does not expose
     binding outputs onto inputs (``Method::set_output_data_ptr`` is C++ only), so each step reads
-    the updated cache back from the write-back outputs.
+    the updated cache back from the write-back outputs (which it returns as tensors of their own,
+    copied out of the planned memory: they are kept as they are, not copied again).
     """
 
     def __init__(self, source: str | Path | Any, batch_size: int, spec: ComponentSpec | None = None) -> None:
@@ -132,5 +133,5 @@ class ExecutorchDecoder(StaticCacheDecoder):
         self.runner.check_planned(values)
         outputs = self.runner.method.execute(values)
         for path, index in self.written_at.items():
-            self.cache[path] = outputs[index].clone()
+            self.cache[path] = outputs[index]
         return outputs[self.logits_index]
