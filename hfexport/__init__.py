@@ -8,6 +8,7 @@ import hfexport.passes  # noqa: F401  (registers the built-in passes)
 from hfexport.auto import AutoExportConfig, AutoHfExporter
 from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig
 from hfexport.errors import (
+    ArtifactError,
     CaptureError,
     ConfigError,
     HfExportError,
@@ -50,6 +51,7 @@ from hfexport.targets.onnx.runner import OnnxRunner
 
 __all__ = [
     "PATCHES",
+    "ArtifactError",
     "AutoExportConfig",
     "AutoHfExporter",
     "AxisBounds",

@@ -100,7 +100,7 @@ def _export(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from hfexport.generation import load
 
-    generator = load(args.export_dir)
+    generator = load(args.export_dir, trust=args.trust_artifact)
     if args.prompt_ids is not None:
         try:
             prompt: Any = [int(token) for token in args.prompt_ids.split(",")]
@@ -133,7 +133,7 @@ def _replay(args: argparse.Namespace) -> int:
     from hfexport.pipeline.pass_manager import PassManager
     from hfexport.targets.dynamo import load_exported_program
 
-    program = load_exported_program(args.program)
+    program = load_exported_program(args.program, trust=args.trust_artifact)
     manager = PassManager(args.passes)
     applied = [name for name in (args.applied or "").split(",") if name]
     program = manager.run(program, applied, log=lambda line: print(line, file=sys.stderr))
@@ -141,6 +141,12 @@ def _replay(args: argparse.Namespace) -> int:
         torch.export.save(program, args.out)
         print(f"wrote {args.out}")
     return 0
+
+
+TRUST_HELP = (
+    "load a .pt2 even if it holds pickled Python objects, which run code when loaded; only for a file "
+    "from a source you trust (hfexport's own exports never need it)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     generate.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to --prompt")
     generate.add_argument("--max-new-tokens", type=int, default=16)
+    generate.add_argument("--trust-artifact", action="store_true", help=TRUST_HELP)
     generate.set_defaults(run=_generate)
 
     passes = commands.add_parser("passes", help="list the registered passes")
@@ -202,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--passes", required=True, help="comma-separated pass names")
     replay.add_argument("--out", help="save the resulting program here")
     replay.add_argument("--applied", help="comma-separated passes that already ran on the program (for error messages)")
+    replay.add_argument("--trust-artifact", action="store_true", help=TRUST_HELP)
     replay.set_defaults(run=_replay)
     return parser
 

@@ -44,6 +44,11 @@ class PassError(HfExportError):
         return instance
 
 
+class ArtifactError(HfExportError):
+    """A saved artifact cannot be read: missing, truncated or corrupt, or (without ``trust``) it
+    would run code from the file when loaded."""
+
+
 class StageError(HfExportError):
     """A pipeline stage (capture, lowering, …) failed."""
 

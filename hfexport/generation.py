@@ -199,11 +199,11 @@ class TextGenerator:
     program, and the tokenizer and generation config copied next to it (an export of a checkpoint
     folder has them). Use :func:`hfexport.load`."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, trust: bool = False) -> None:
         from hfexport.targets import ExportFolder
 
         self.folder = Path(folder)
-        self.export = ExportFolder(self.folder)
+        self.export = ExportFolder(self.folder, trust)
         if not self.export.manifest.generation:
             raise HfExportError(
                 f"{folder} holds a single-graph export; export with "
@@ -288,7 +288,9 @@ class TextGenerator:
         return Generation(new, text, prompt_ids.shape[1], times[0] - started, times[-1] - times[0])
 
 
-def load(folder: str | Path) -> TextGenerator:
+def load(folder: str | Path, trust: bool = False) -> TextGenerator:
     """Open an export folder written with ``--generation`` (any target) for text generation:
-    ``hfexport.load(DIR).generate("What is the capital of France?", chat=True).text``."""
-    return TextGenerator(folder)
+    ``hfexport.load(DIR).generate("What is the capital of France?", chat=True).text``.
+    ``trust=True`` allows a program that runs code from its file when loaded (see
+    :func:`~hfexport.load_exported_program`); hfexport's own exports never need it."""
+    return TextGenerator(folder, trust)

@@ -52,12 +52,15 @@ class Target:
         """The manifest entry of ``program`` (its ``file`` is filled in by :func:`save_export`)."""
         raise NotImplementedError
 
-    def runner(self, path: Path, spec: ComponentSpec) -> Any:
-        """A runner of the saved artifact: ``run(inputs) -> outputs`` with inputs matched by name."""
+    def runner(self, path: Path, spec: ComponentSpec, trust: bool = False) -> Any:
+        """A runner of the saved artifact: ``run(inputs) -> outputs`` with inputs matched by name.
+        ``trust`` allows reading an artifact that runs code when loaded (pickled Python objects:
+        only a ``.pt2`` can hold them); every target refuses those by default."""
         raise HfExportError(f"target {self.name!r} has no runner")
 
-    def decoder(self, folder: Path, manifest: Manifest, batch_size: int) -> Any:
-        """A step function for :func:`hfexport.generation.greedy_decode` over the folder's ``decode``."""
+    def decoder(self, folder: Path, manifest: Manifest, batch_size: int, trust: bool = False) -> Any:
+        """A step function for :func:`hfexport.generation.greedy_decode` over the folder's ``decode``
+        (``trust``: as for :meth:`runner`)."""
         raise HfExportError(f"target {self.name!r} has no generation decoder")
 
     @staticmethod
@@ -187,17 +190,19 @@ def _versions() -> dict[str, str]:
 
 class ExportFolder:
     """A folder written by hfexport: its :class:`Manifest`, and runners and decoders over its
-    programs, built by the target that wrote it."""
+    programs, built by the target that wrote it. ``trust=True`` allows programs that run code
+    from the file when loaded (see :func:`~hfexport.load_exported_program`)."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, trust: bool = False) -> None:
         self.folder = Path(folder)
+        self.trust = trust
         self.manifest = Manifest.read(self.folder)
         self.target = get_target(self.manifest.target)
 
     def runner(self, component: str = "model") -> Any:
         """A runner of one component (``model`` for a single-graph export)."""
         spec = self.manifest.component(component)
-        return self.target.runner(self.folder / spec.file, spec)
+        return self.target.runner(self.folder / spec.file, spec, self.trust)
 
     def decoder(self, batch_size: int = 1) -> Any:
         """The step function of the folder's static-cache ``decode`` for :func:`~hfexport.generation.greedy_decode`."""
@@ -214,4 +219,4 @@ class ExportFolder:
                 f"the decode graph in {self.folder} takes exactly {ids.shape[1]} query tokens (exported with static "
                 "shapes), so it cannot take a prompt and then one token; export with --dynamic"
             )
-        return self.target.decoder(self.folder, self.manifest, batch_size)
+        return self.target.decoder(self.folder, self.manifest, batch_size, self.trust)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import pickle
+import re
+import threading
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hfexport.errors import ArtifactError
 from hfexport.generation import StaticCacheDecoder
 from hfexport.pipeline.artifacts import flat_tensors
 from hfexport.pipeline.capture import Captured, copy_inputs
@@ -20,15 +26,60 @@ from hfexport.targets.manifest import (
     program_outputs,
 )
 from hfexport.targets.runner import Runner
+from hfexport.versions import quiet_loggers
+
+# torch.load reads this variable at every call (torch/serialization.py); the lock keeps two
+# loads in two threads from restoring each other's value
+_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+_LOAD_LOCK = threading.Lock()
 
 
-def load_exported_program(path: str | Path) -> torch.export.ExportedProgram:
+def load_exported_program(path: str | Path, trust: bool = False) -> torch.export.ExportedProgram:
     """``torch.export.load`` after registering what a transformers program's inputs and outputs
-    are made of (``ModelOutput`` classes and the cache classes), so it works in a fresh process."""
+    are made of (``ModelOutput`` classes and the cache classes), so it works in a fresh process.
+
+    Nothing in the file is unpickled beyond tensors and plain containers (what hfexport writes):
+    ``torch.export.load`` falls back to full unpickling, which runs any code the file holds, when
+    that fails, and hfexport refuses instead with :class:`~hfexport.ArtifactError`. Pass
+    ``trust=True`` only for a file from a source you trust."""
     from hfexport.models.caches import register_cache_pytrees
 
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path} does not exist or is not a file; give the .pt2 written by the export")
+    if not zipfile.is_zipfile(path):
+        raise ArtifactError(
+            f"{path} is not a readable torch.export archive (not a zip file); it may be truncated or from "
+            "another program: export again"
+        )
     register_cache_pytrees()
-    return torch.export.load(path)
+    try:
+        if trust:
+            return torch.export.load(path)
+        # torch.export logs a traceback before falling back to its legacy format
+        with _LOAD_LOCK, quiet_loggers("torch.export"):
+            previous = os.environ.get(_FORCE_WEIGHTS_ONLY)
+            os.environ[_FORCE_WEIGHTS_ONLY] = "1"
+            try:
+                return torch.export.load(path)
+            finally:
+                if previous is None:
+                    del os.environ[_FORCE_WEIGHTS_ONLY]
+                else:
+                    os.environ[_FORCE_WEIGHTS_ONLY] = previous
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
+        what = f" ({found.group(1)})" if found else ""
+        raise ArtifactError(
+            f"{path} holds pickled Python objects{what} beyond tensors and the types hfexport writes, and "
+            "loading them could run code from the file; hfexport refused. If you trust the file's source, "
+            "load it with trust=True (command line: --trust-artifact)"
+        ) from error
+    except (zipfile.BadZipFile, EOFError, RuntimeError, KeyError, ValueError) as error:
+        raise ArtifactError(
+            f"{path} is not a readable torch.export archive ({type(error).__name__}: {str(error)[:200]}); "
+            "it may be truncated or from another program: export again"
+        ) from error
 
 
 def program_component(program: torch.export.ExportedProgram, captured: Captured | None) -> ComponentSpec:
@@ -111,8 +162,8 @@ class DynamoTarget(Target):
     def component(self, program: torch.export.ExportedProgram, captured: Captured | None) -> ComponentSpec:
         return program_component(program, captured)
 
-    def runner(self, path: Path, spec: ComponentSpec) -> DynamoRunner:
-        return DynamoRunner(load_exported_program(path), spec)
+    def runner(self, path: Path, spec: ComponentSpec, trust: bool = False) -> DynamoRunner:
+        return DynamoRunner(load_exported_program(path, trust), spec)
 
-    def decoder(self, folder: Path, manifest: Manifest, batch_size: int) -> DynamoDecoder:
-        return DynamoDecoder(load_exported_program(folder / manifest.component("decode").file), batch_size)
+    def decoder(self, folder: Path, manifest: Manifest, batch_size: int, trust: bool = False) -> DynamoDecoder:
+        return DynamoDecoder(load_exported_program(folder / manifest.component("decode").file, trust), batch_size)

@@ -49,10 +49,10 @@ class ExecutorchTarget(Target):
 
         return pte_component(program, captured)
 
-    def runner(self, path: Path, spec: ComponentSpec) -> ExecutorchRunner:
+    def runner(self, path: Path, spec: ComponentSpec, trust: bool = False) -> ExecutorchRunner:
         return ExecutorchRunner(path, spec)
 
-    def decoder(self, folder: Path, manifest: Manifest, batch_size: int) -> ExecutorchDecoder:
+    def decoder(self, folder: Path, manifest: Manifest, batch_size: int, trust: bool = False) -> ExecutorchDecoder:
         spec = manifest.component("decode")
         return ExecutorchDecoder(folder / spec.file, batch_size, spec)
 

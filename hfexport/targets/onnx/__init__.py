@@ -37,10 +37,10 @@ class OnnxTarget(Target):
 
         return onnx_component(program.exported_program, captured)
 
-    def runner(self, path: Path, spec: ComponentSpec) -> OnnxRunner:
+    def runner(self, path: Path, spec: ComponentSpec, trust: bool = False) -> OnnxRunner:
         return OnnxRunner(path, spec)
 
-    def decoder(self, folder: Path, manifest: Manifest, batch_size: int) -> OnnxDecoder:
+    def decoder(self, folder: Path, manifest: Manifest, batch_size: int, trust: bool = False) -> OnnxDecoder:
         spec = manifest.component("decode")
         return OnnxDecoder(folder / spec.file, batch_size, spec)
 
