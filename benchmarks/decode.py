@@ -27,6 +27,14 @@ ExecuTorch .pte stores it twice: as the table and as XNNPACK's packed output pro
 quantized row counts its artifact's bytes less the fp32 embedding table, which a step reads one row
 of; both add the static KV cache.
 
+Peers in the same run: with ``--peers-dir DIR`` (the folder holding ``venv-onnx`` and
+``venv-executorch``, each with torch 2.13.0 and optimum-onnx / optimum-executorch installed, outside
+the checkout: see the README), each ``--peers`` variant of a real checkpoint is exported and timed by
+``benchmarks/peers.py`` under its peer's own Python, one variant per process, and gets a row of the
+same table: export wall and CPU time, peak RSS, artifact, load, first token, decode tokens/s and
+greedy agreement with the same eager reference (it has no teacher-forced figure: the peers' Python
+greedy loops take no forced tokens). A quantized peer row's bound counts its whole artifact.
+
 Writes ``decode.md`` (the table) and ``decode.png`` (tokens/s per target against each model's
 bound) into ``--out``. Ratios are what to read: the machine is shared and noisy.
 """
@@ -34,7 +42,9 @@ bound) into ``--out``. Ratios are what to read: the machine is shared and noisy.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +73,7 @@ class Row:
     model: str
     target: str
     export_seconds: float = 0.0
+    export_cpu_seconds: float = 0.0
     stage_seconds: dict[str, float] = field(default_factory=dict)
     peak_rss_mb: float = 0.0
     artifact_mb: float = 0.0
@@ -315,9 +326,9 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
         for variant in args.targets:
             target, config = variant_config(variant)
             timing = TimingInstrument()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             results = run_for_generation(model, sample, [config], static, True, (timing,), components=["decode"])
-            row = Row(model_name, variant, export_seconds=time.perf_counter() - start)
+            row = Row(model_name, variant, time.perf_counter() - start, time.process_time() - cpu)
             result = results["decode"][target]
             row.stage_seconds = {r.name: r.seconds for r in result.records if r.kind == "stage"}
             row.peak_rss_mb = max(r.peak_rss_mb for r in result.records)
@@ -358,24 +369,70 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
                 + (f", answer: {row.answer!r}" if row.answer else ""),
                 file=sys.stderr,
             )
+        if folder is not None:
+            for variant in args.peers:
+                row = peer_row(args, variant, model_name, folder, model, bandwidth, reference, ids.shape[1])
+                if row is not None:
+                    rows.append(row)
     return rows
+
+
+PEERS_SCRIPT = Path(__file__).parent / "peers.py"
+
+
+def peer_row(args, variant: str, model_name: str, folder: Path, model, bandwidth: float, reference, prompt_len: int):
+    """One peer variant's row, measured by ``peers.py`` under the peer's own venv (``None`` if it failed)."""
+    runtime = "onnx" if variant.startswith("optimum-onnx") else "executorch"
+    python = Path(args.peers_dir) / f"venv-{runtime}" / "bin" / "python"
+    with tempfile.TemporaryDirectory() as work:
+        out = Path(work) / "record.json"
+        command = [str(python), str(PEERS_SCRIPT), "--folder", str(folder), "--variant", variant]
+        command += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
+        command += ["--repeats", str(args.repeats), "--cache-len", str(args.cache_len), "--out", str(out)]
+        print(f"{model_name} {variant}: {' '.join(command)}", file=sys.stderr)
+        subprocess.run(command, check=False)
+        record = json.loads(out.read_text())[0] if out.is_file() else {"error": "peers.py wrote no record"}
+    if record.get("error"):
+        print(f"{model_name} {variant}: failed: {record['error']}", file=sys.stderr)
+        return None
+    row = Row(model_name, variant, record["export_wall_seconds"], record["export_cpu_seconds"])
+    row.peak_rss_mb, row.artifact_mb, row.load_seconds = (
+        record["export_peak_rss_mib"],
+        record["artifact_mib"],
+        record["load_seconds"],
+    )
+    row.first_token_seconds, row.decode_tps = record["first_token_seconds"], record["decode_tokens_per_second"]
+    row.prefill_tps = record["prompt_tokens"] / row.first_token_seconds
+    quantized = ":" in variant  # the whole artifact: its embedding may be quantized too
+    weight_bytes = row.artifact_mb * 2**20 if quantized else None
+    row.bound_tps = bandwidth * 1e9 / bytes_per_token(model, args.cache_len, weight_bytes)
+    tokens = torch.cat([reference[:, :prompt_len], torch.tensor([record["token_ids"]])], dim=1)
+    row.agreement = leading_agreement(tokens, reference, prompt_len)
+    if record["prompt_tokens"] != prompt_len:
+        row.agreement += f" (its prompt: {record['prompt_tokens']} tokens)"
+    row.answer = record["text"].strip()
+    print(f"{model_name} {variant}: decode {row.decode_tps:.1f} tok/s, {row.agreement}", file=sys.stderr)
+    return row
 
 
 def markdown(rows: list[Row], bandwidth_note: str, threads: int) -> str:
     lines = [
         f"Decode at batch 1, {threads} thread(s); {bandwidth_note}.",
         "",
-        "| model | target | export (s) | stages (s) | peak RSS (MiB) | artifact (MiB) | load (s) | first token (s) "
+        "| model | target | export (s) | export CPU (s) | stages (s) | peak RSS (MiB) | artifact (MiB) | load (s) "
+        "| first token (s) "
         "| prefill tok/s | decode tok/s | bound tok/s | of bound | greedy vs eager "
         f"| teacher-forced top-1 ({TEACHER_FORCED_TOKENS}) |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         stages = ", ".join(f"{name} {seconds:.0f}" for name, seconds in r.stage_seconds.items())
+        top1 = "–" if r.top1 is None else f"{r.top1:.0%}"
         lines.append(
-            f"| {r.model} | {r.target} | {r.export_seconds:.0f} | {stages} | {r.peak_rss_mb:.0f} | {r.artifact_mb:.0f} "
+            f"| {r.model} | {r.target} | {r.export_seconds:.0f} | {r.export_cpu_seconds:.0f} | {stages} "
+            f"| {r.peak_rss_mb:.0f} | {r.artifact_mb:.0f} "
             f"| {r.load_seconds:.2f} | {r.first_token_seconds:.3f} | {r.prefill_tps:.0f} | {r.decode_tps:.1f} "
-            f"| {r.bound_tps:.1f} | {r.decode_tps / r.bound_tps:.0%} | {r.agreement} | {r.top1:.0%} |"
+            f"| {r.bound_tps:.1f} | {r.decode_tps / r.bound_tps:.0%} | {r.agreement} | {top1} |"
         )
     answers = [r for r in rows if r.answer]
     if answers:
@@ -395,7 +452,8 @@ def chart(rows: list[Row], path: Path) -> None:
     for axis, model in zip(axes[0], models, strict=True):
         mine = [r for r in rows if r.model == model]
         names = [r.target for r in mine]
-        axis.bar(names, [r.decode_tps for r in mine], color="tab:blue", label="decode")
+        colors = ["tab:orange" if r.target.startswith("optimum") else "tab:blue" for r in mine]
+        axis.bar(names, [r.decode_tps for r in mine], color=colors, label="decode (orange: peers)")
         axis.scatter(names, [r.bound_tps for r in mine], color="tab:red", marker="_", s=900, label="bandwidth bound")
         axis.tick_params(axis="x", labelrotation=30)
         axis.set_title(model)
@@ -418,9 +476,18 @@ def main() -> None:
     parser.add_argument("--cache-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument(
+        "--peers-dir", help="the folder of the peers' venvs (venv-onnx, venv-executorch); none: no peers"
+    )
+    parser.add_argument(
+        "--peers",
+        default="optimum-onnx,optimum-executorch,optimum-executorch:custom,optimum-executorch:8da4w",
+        help="peer variants (benchmarks/peers.py --list), for real checkpoints, with --peers-dir",
+    )
     args = parser.parse_args()
     args.models = [m for m in args.models.split(",") if m]
     args.targets = [t for t in args.targets.split(",") if t]
+    args.peers = [p for p in args.peers.split(",") if p] if args.peers_dir else []
     rows = benchmark(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
