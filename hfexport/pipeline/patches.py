@@ -11,6 +11,12 @@ Each patch carries its reason and the upstream issue. :func:`patches_applied` re
 target on every path, errors included. A workaround that can be done on the graph is a pass, not
 a patch. The registry knows no model: the patches themselves are registered by
 :mod:`hfexport.models.patches`.
+
+Patches are process-global, and so is the state ``torch.export`` keeps while it traces (its
+dispatch-mode stack: two captures in two threads fail with "Trying to pop empty mode stack"). So
+exports in one process run one at a time: :data:`EXPORT_LOCK` (reentrant) is held by every
+pipeline run and every :func:`patches_applied` block, and an export started in another thread
+waits for it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import contextlib
 import fnmatch
 import importlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +34,7 @@ from hfexport.errors import ConfigError
 
 _MISSING = object()
 SCOPES = ("capture", "generate")
+EXPORT_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)
@@ -89,19 +97,20 @@ def patches_applied(names: list[str] | None = None, *, scope: str | None = "capt
     else:
         selected = [p for p in PATCHES.values() if scope is None or p.scope == scope]
     applied: list[tuple[Any, str, Any]] = []
-    try:
-        for patch in selected:
-            for owner, attribute in patch.owners():
-                # Read the owner's own __dict__ so a class attribute inherited from a base class is
-                # deleted (not shadowed) on restore, and descriptors come back unchanged.
-                original = vars(owner).get(attribute, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-                current = getattr(owner, attribute)
-                setattr(owner, attribute, patch.make(current))
-                applied.append((owner, attribute, original))
-        yield selected
-    finally:
-        for owner, attribute, original in reversed(applied):
-            if original is _MISSING:
-                delattr(owner, attribute)
-            else:
-                setattr(owner, attribute, original)
+    with EXPORT_LOCK:
+        try:
+            for patch in selected:
+                for owner, attribute in patch.owners():
+                    # Read the owner's own __dict__ so a class attribute inherited from a base class is
+                    # deleted (not shadowed) on restore, and descriptors come back unchanged.
+                    original = vars(owner).get(attribute, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+                    current = getattr(owner, attribute)
+                    setattr(owner, attribute, patch.make(current))
+                    applied.append((owner, attribute, original))
+            yield selected
+        finally:
+            for owner, attribute, original in reversed(applied):
+                if original is _MISSING:
+                    delattr(owner, attribute)
+                else:
+                    setattr(owner, attribute, original)

@@ -18,6 +18,7 @@ from hfexport.pipeline.instruments import (
     TimingInstrument,
 )
 from hfexport.pipeline.pass_manager import PassManager, PassResult, execute_pass
+from hfexport.pipeline.patches import EXPORT_LOCK
 
 
 class Stage:
@@ -272,7 +273,14 @@ class Pipeline:
     ) -> PipelineResult:
         """Capture ``model(**inputs)`` (bounding unbounded dynamic axes by ``bounds``, by default the
         pipeline's own), or take a copy of the ``shared`` capture, and run every stage; see
-        :class:`PipelineResult`."""
+        :class:`PipelineResult`. One run at a time per process: a run started in another thread
+        waits (:data:`~hfexport.pipeline.patches.EXPORT_LOCK`)."""
+        with EXPORT_LOCK:
+            return self._run(model, inputs, config, bounds, shared)
+
+    def _run(
+        self, model: torch.nn.Module, inputs: Any, config: Any, bounds: AxisBounds | None, shared: Captured | None
+    ) -> PipelineResult:
         if bounds is None and shared is None and self.bounds is not None:
             bounds = self.bounds(model, config)
         for stage in self.stages:
