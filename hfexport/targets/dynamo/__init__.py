@@ -53,11 +53,14 @@ def load_exported_program(path: str | Path, trust: bool = False) -> torch.export
             "another program: export again"
         )
     register_cache_pytrees()
+    # torch.export logs a traceback before it falls back to its legacy format, and its warning about
+    # the unpickling fallback has one argument for two %s (torch/_export/serde/serialize.py)
+    loggers = quiet_loggers("torch.export", "torch._export.serde.serialize")
     try:
         if trust:
-            return torch.export.load(path)
-        # torch.export logs a traceback before falling back to its legacy format
-        with _LOAD_LOCK, quiet_loggers("torch.export"):
+            with loggers:
+                return torch.export.load(path)
+        with _LOAD_LOCK, loggers:
             previous = os.environ.get(_FORCE_WEIGHTS_ONLY)
             os.environ[_FORCE_WEIGHTS_ONLY] = "1"
             try:
