@@ -45,6 +45,42 @@ def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
     return configs
 
 
+def clear_out(out: Path, folders: list[Path], overwrite: bool) -> None:
+    """Make ``out`` ready for an export before any work starts: refuse a file, and a folder that
+    holds anything unless ``overwrite``; with ``overwrite``, remove the earlier export in each of
+    ``folders`` (its manifest, the files it lists, and any program file) first, so a failed or
+    interrupted export leaves no program that looks valid. The new export is staged and moved in
+    only when complete (:func:`~hfexport.save_export`)."""
+    from hfexport.targets import artifact_suffixes
+    from hfexport.targets.manifest import MANIFEST, Manifest
+
+    if out.exists() and not out.is_dir():
+        raise HfExportError(f"--out {out} is a file; give a folder to write the export into")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    if not overwrite:
+        shown = ", ".join(held[:5]) + (", ..." if len(held) > 5 else "")
+        raise HfExportError(
+            f"--out {out} is not empty (it holds {shown}); pass --overwrite to replace the export in it, "
+            "or give a new folder"
+        )
+    suffixes = artifact_suffixes()
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        listed = set()
+        if (folder / MANIFEST).is_file():
+            try:
+                listed = {spec.file for spec in Manifest.read(folder).components.values()}
+            except (HfExportError, ValueError, KeyError):
+                listed = set()  # a broken manifest: its program files still go by suffix
+            (folder / MANIFEST).unlink()
+        for path in folder.iterdir():
+            if path.is_file() and (path.name in listed or path.name.endswith(suffixes)):
+                path.unlink()
+
+
 def _export(args: argparse.Namespace) -> int:
     from hfexport.exporters import run_for_generation, run_targets
     from hfexport.pipeline.instruments import ProgressInstrument
@@ -59,11 +95,12 @@ def _export(args: argparse.Namespace) -> int:
             f"unknown --format {','.join(unknown) or repr(args.format)}; valid: {', '.join(target_names())}"
         )
     configs = _configs(args, formats)
+    out = Path(args.out)
+    folders = {f: out if len(formats) == 1 else out / f for f in formats}
+    clear_out(out, list(folders.values()), args.overwrite)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model = load_model(args.model)
     inputs = sample_inputs(model, args.batch, args.seq)
-    out = Path(args.out)
-    folders = {f: out if len(formats) == 1 else out / f for f in formats}
     progress = (ProgressInstrument(),)
     if args.generation:
         from transformers import GenerationConfig
@@ -169,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dynamic", action="store_true", help="mark every input axis dynamic")
     export.add_argument("--passes", help="comma-separated FX pass list replacing the backend default ('' for none)")
     export.add_argument("--dump-dir", help="write per-stage / per-pass dumps and report.md here")
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the export already in --out (it is removed before the new one starts; without this "
+        "flag a non-empty --out is refused)",
+    )
     export.add_argument("--verify", action="store_true", help="check every stage against eager PyTorch")
     export.add_argument(
         "--quantize",
@@ -227,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         for note in getattr(error, "__notes__", ()):
             print(f"hfexport: {note}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # an export is staged and moved into --out only when complete: nothing partial is left
+        print("hfexport: interrupted; nothing from this run was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -87,6 +88,8 @@ class DynamoConfig:
             raise ConfigError("set either dynamic=True (every axis dynamic) or explicit dynamic_shapes, not both")
         if self.dump_dir is not None:
             self.dump_dir = str(self.dump_dir)
+            if Path(self.dump_dir).exists() and not Path(self.dump_dir).is_dir():
+                raise ConfigError(f"dump_dir {self.dump_dir} is a file; give a folder for the dumps")
         if self.verify not in (True, False, "passes"):
             raise ConfigError(f"verify must be True, False or 'passes', got {self.verify!r}")
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import resource
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -281,8 +283,21 @@ class DumpInstrument(Instrument):
         self._pass_input: Any = None
 
     def start(self, run: PipelineRun) -> None:
+        self.clear_earlier_dump()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / "pipeline.txt").write_text(run.pipeline.describe() + "\n")
+
+    def clear_earlier_dump(self) -> None:
+        """Remove what an earlier run dumped into this folder (its ``pipeline.txt`` marks one): the
+        ``NN_<step>`` folders and the two files, so no stale pass folder sits beside this run's.
+        Anything else in the folder is left alone."""
+        if not (self.root / "pipeline.txt").is_file():
+            return
+        for path in self.root.iterdir():
+            if path.is_dir() and re.fullmatch(r"\d\d_.+", path.name):
+                shutil.rmtree(path)
+            elif path.name in ("pipeline.txt", "report.md"):
+                path.unlink()
 
     def _folder(self, step: StepRecord) -> Path:
         parts = [step.parent.folder, step.folder] if step.parent else [step.folder]

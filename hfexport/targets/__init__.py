@@ -89,6 +89,19 @@ def target_names() -> list[str]:
     return list(TARGETS)
 
 
+def artifact_suffixes() -> tuple[str, ...]:
+    """The file endings of every registered target's programs (with ``.data``: ONNX external
+    data), for targets whose backend is installed."""
+    suffixes: list[str] = []
+    for name in TARGETS:
+        try:
+            suffix = get_target(name).suffix
+        except (ImportError, HfExportError):
+            continue
+        suffixes += [suffix, f"{suffix}.data"]
+    return tuple(suffixes)
+
+
 def get_target(name: Any) -> Target:
     """The registered target called ``name``; an unknown name raises :class:`ConfigError`."""
     if name not in TARGETS:
