@@ -176,6 +176,30 @@ class OnnxConfig(DynamoConfig):
         super().__post_init__()
         if self.quantize not in (None, "int4", "int8"):
             raise ConfigError(f"OnnxConfig quantize must be None, 'int4' or 'int8', got {self.quantize!r}")
+        if self.opset_version is not None:
+            latest = latest_onnx_opset()
+            valid = isinstance(self.opset_version, int) and not isinstance(self.opset_version, bool)
+            if not valid or not MIN_ONNX_OPSET <= self.opset_version <= (latest or self.opset_version):
+                upper = f"through {latest}" if latest else "or later"
+                raise ConfigError(
+                    f"OnnxConfig opset_version must be an int from {MIN_ONNX_OPSET} {upper} (torch.onnx's exporter "
+                    f"writes opset {MIN_ONNX_OPSET} and converts upwards), got {self.opset_version!r}; "
+                    "None keeps torch.onnx's default"
+                )
+
+
+# torch.onnx's dynamo exporter writes this opset (torch/onnx/_internal/exporter/_constants.py) and
+# its version converter goes no lower
+MIN_ONNX_OPSET = 18
+
+
+def latest_onnx_opset() -> int | None:
+    """The newest opset the installed onnx package knows (``None`` without onnx)."""
+    try:
+        import onnx
+    except ImportError:
+        return None
+    return int(onnx.defs.onnx_opset_version())
 
 
 EXECUTORCH_BACKENDS = ("xnnpack", "portable", "cuda")

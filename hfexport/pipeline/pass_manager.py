@@ -170,15 +170,19 @@ def check_order(passes: Sequence[Pass]) -> None:
             )
 
 
-def signature_of(program: Any) -> tuple[list[str], int] | None:
-    """The user input names and the output count of an ``ExportedProgram`` (``None`` for other
-    program types). Weights may change (a quantization pass replaces them); what the caller
-    feeds and gets back may not."""
+def signature_of(program: Any) -> tuple[list[str], Any] | None:
+    """What the caller feeds a program and gets back: the user input names and the output count
+    of an ``ExportedProgram``, the input and output names of an ONNX program (its runner binds
+    by name); ``None`` for other program types. Weights may change (a quantization pass replaces
+    them); the signature may not."""
     graph = getattr(program, "graph", None)
-    if graph is None or not hasattr(program, "graph_signature"):
-        return None
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    return list(program.graph_signature.user_inputs), len(output.args[0])
+    if graph is not None and hasattr(program, "graph_signature"):
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        return list(program.graph_signature.user_inputs), len(output.args[0])
+    onnx_graph = getattr(getattr(program, "model", None), "graph", None)
+    if onnx_graph is not None and hasattr(onnx_graph, "inputs") and hasattr(onnx_graph, "outputs"):
+        return [v.name for v in onnx_graph.inputs], [v.name for v in onnx_graph.outputs]
+    return None
 
 
 def execute_pass(pass_: Pass, program: Any, before: Sequence[str] = ()) -> PassResult:

@@ -86,6 +86,12 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
             custom_translation_table=_missing_translations(),
             verbose=False,
         )
+    written = onnx_program.model.opset_imports.get("")
+    if opset_version is not None and written != opset_version:
+        from hfexport.errors import StageError
+
+        # onnxscript's version converter logs a failure and returns the model unconverted
+        raise StageError(f"torch.onnx could not convert the model to opset {opset_version} (it has opset {written})")
     # which inputs are written in place is read off the functionalised program torch.onnx translated
     spec = onnx_component(onnx_program.exported_program)
     graph = onnx_program.model.graph

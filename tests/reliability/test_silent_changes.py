@@ -1,0 +1,53 @@
+"""Issue 12, class 1: what would have been silently wrong or silently changed is an error that
+names the cause, or does what was asked."""
+
+import numpy as np
+import pytest
+import torch
+from models import build, sample_inputs
+
+from hfexport import ConfigError, DynamoConfig, DynamoExporter, OnnxConfig, OnnxExporter, PassError, register_pass
+from hfexport.pipeline.pass_manager import PassResult
+
+
+@register_pass(name="test_returns_a_string")
+def returns_a_string(program):
+    return PassResult("not a program", modified=True)
+
+
+@register_pass(name="test_drops_an_onnx_output", stage="onnx_passes")
+def drops_an_onnx_output(program):
+    program.model.graph.outputs.pop()
+    return PassResult(program, modified=True)
+
+
+def test_a_pass_returning_a_non_program_fails_and_export_never_returns_it():
+    model = build("tiny-llama")
+    with pytest.raises(PassError, match="test_returns_a_string.*program is a str, expected ExportedProgram"):
+        DynamoExporter().export(model, sample_inputs(model), DynamoConfig(passes=["test_returns_a_string"]))
+
+
+def test_an_onnx_pass_dropping_a_graph_output_fails_naming_the_outputs():
+    model = build("tiny-llama")
+    config = OnnxConfig(passes=["test_drops_an_onnx_output"])
+    dropped = r"changed the program signature.*'cache.layers.1.values'\] -> \[[^\]]*'cache.layers.1.keys'\]"
+    with pytest.raises(PassError, match=f"test_drops_an_onnx_output.*{dropped}"):
+        OnnxExporter().export(model, sample_inputs(model), config)
+
+
+@pytest.mark.parametrize("opset", [7, 17, 99, "20", 18.0, True])
+def test_an_opset_torch_onnx_cannot_write_is_refused_when_the_config_is_built(opset):
+    with pytest.raises(ConfigError, match=f"opset_version must be an int from 18 through \\d+.*got {opset!r}"):
+        OnnxConfig(opset_version=opset)
+
+
+def test_the_opset_asked_for_is_the_opset_written():
+    model = build("tiny-llama")
+    program = OnnxExporter().export(model, sample_inputs(model), OnnxConfig(opset_version=21))
+    assert program.model.opset_imports[""] == 21
+    torch.testing.assert_close(
+        torch.from_numpy(np.asarray(program(**sample_inputs(model))[0])),
+        model(**sample_inputs(model)).logits.detach(),
+        atol=1e-4,
+        rtol=0,
+    )
