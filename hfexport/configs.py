@@ -51,6 +51,29 @@ def _decode_dim(value: Any, dims: dict[str, Any] | None = None) -> Any:
     return {int(k) if str(k).isdigit() else k: _decode_dim(v, dims) for k, v in value.items()}
 
 
+_SIMPLE_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "None": type(None)}
+
+
+def check_field_types(config: Any) -> None:
+    """Raise :class:`ConfigError` for a field whose value does not have its declared type, for
+    fields declared with plain types (``bool``, ``int | None``, ``float``, ``str``, …): a JSON
+    config's ``"dynamic": "no"`` is a string, not ``False``. A bool is not taken for a number; an
+    int is taken for a float."""
+    for field in dataclasses.fields(config):
+        names = [part.strip() for part in str(field.type).split("|")]
+        if not all(name in _SIMPLE_TYPES for name in names):
+            continue
+        value = getattr(config, field.name)
+        types = tuple(_SIMPLE_TYPES[name] for name in names)
+        if float in types:
+            types += (int,)
+        if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+            raise ConfigError(
+                f"{type(config).__name__} {field.name} must be {' or '.join(names)}, got {value!r} "
+                f"({type(value).__name__})"
+            )
+
+
 @dataclass
 class DynamoConfig:
     """Config of :class:`~hfexport.DynamoExporter` (and base of the other backends' configs).
@@ -92,6 +115,11 @@ class DynamoConfig:
                 raise ConfigError(f"dump_dir {self.dump_dir} is a file; give a folder for the dumps")
         if self.verify not in (True, False, "passes"):
             raise ConfigError(f"verify must be True, False or 'passes', got {self.verify!r}")
+        check_field_types(self)
+        if self.tolerance is not None and not 0 < self.tolerance < float("inf"):
+            raise ConfigError(
+                f"tolerance must be a positive number (the largest absolute difference), got {self.tolerance!r}"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -260,6 +288,10 @@ class ExecutorchConfig(DynamoConfig):
                 f"ExecutorchConfig quantize must be None, '8da4w' (or 'int4') or '8da8w' (or 'int8'), "
                 f"got {self.quantize!r}"
             )
+        for name in ("max_seq_len", "max_batch_size", "max_planned_memory_mb", "quantize_group_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"ExecutorchConfig {name} must be at least 1, got {value}")
         if self.backend not in EXECUTORCH_BACKENDS:
             raise ConfigError(
                 f"unknown ExecuTorch backend {self.backend!r}; valid backends: {', '.join(EXECUTORCH_BACKENDS)}"

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hfexport.errors import HfExportError
+from hfexport.errors import ConfigError, HfExportError
 from hfexport.models.frontend import normalize_inputs
 from hfexport.models.static_layers import with_encoder_length_cross_attention
 from hfexport.models.vision import VISION_INDEX_HELPERS, VisionEncoderWithIndices, recording_vision_indices
@@ -172,6 +172,16 @@ def decompose_for_generation(
     inputs = normalize_inputs(inputs, model)
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     new_tokens = 3 if multi_token_decode else 2
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+    cache_len = getattr(config, "max_cache_len", None)
+    if cache_len is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        # generate would build a cache long enough for the sample, not the one asked for
+        if ids.shape[1] + new_tokens > cache_len:
+            raise ConfigError(
+                f"max_cache_len={cache_len} cannot hold the sample prompt ({ids.shape[1]} tokens) and the "
+                f"{new_tokens} tokens generated while recording the components; raise max_cache_len or "
+                f"give a prompt of at most {cache_len - new_tokens} tokens"
+            )
     config.max_new_tokens = config.min_new_tokens = new_tokens
     config.do_sample = False
     if config.pad_token_id is None:

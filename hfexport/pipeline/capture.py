@@ -306,6 +306,29 @@ class Captured:
         return dataclasses.replace(self, program=snapshot_program(self.program))
 
 
+# inputs whose axis 1 is the token sequence (what max_seq_len bounds)
+TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "decoder_input_ids")
+
+
+def check_sample_within(inputs: dict[str, Any], bounds: AxisBounds) -> None:
+    """Raise :class:`ConfigError` when the sample's batch (axis 0 of its tensors) or token count
+    (axis 1 of its token inputs) exceeds ``bounds``: the program could not take its own sample,
+    and the bounds reported would not be the ones it was built with."""
+    for name, value in inputs.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        if value.shape[0] > bounds.batch:
+            raise ConfigError(
+                f"the sample input {name!r} has batch {value.shape[0]}, above the batch bound {bounds.batch} "
+                f"({bounds.source}); raise max_batch_size or export with a smaller sample"
+            )
+        if name in TOKEN_INPUTS and value.dim() >= 2 and value.shape[1] > bounds.other:
+            raise ConfigError(
+                f"the sample input {name!r} has {value.shape[1]} tokens, above the sequence bound {bounds.other} "
+                f"({bounds.source}); raise max_seq_len or export with a shorter sample"
+            )
+
+
 def capture(
     model: torch.nn.Module,
     inputs: Any,
@@ -326,6 +349,8 @@ def capture(
         )
     frontend = frontend or Frontend()
     inputs = frontend.prepare(model, inputs)
+    if bounds is not None:
+        check_sample_within(inputs, bounds)
     if config.dynamic:
         dynamic_shapes = auto_dynamic_shapes(inputs, bounds, frontend.static_axes(model, inputs))
     else:

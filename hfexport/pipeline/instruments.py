@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 import resource
 import shutil
@@ -160,7 +161,8 @@ class TimingInstrument(Instrument):
 
 def max_abs_diff(expected: list[torch.Tensor], actual: list[Any]) -> float:
     """Max abs difference over matching output tensors; inf when the structures differ or an
-    integer / bool output differs at all."""
+    integer / bool output differs at all, NaN when one side has a NaN the other does not (compare
+    with ``not diff <= tolerance``, which NaN fails)."""
     if len(expected) != len(actual):
         return float("inf")
     worst = 0.0
@@ -174,7 +176,9 @@ def max_abs_diff(expected: list[torch.Tensor], actual: list[Any]) -> float:
             diff = (e.double() - a.double()).abs()
             # NaN in the same places on both sides is agreement, NaN on one side is not.
             diff = torch.where(torch.isnan(e) & torch.isnan(a), torch.zeros_like(diff), diff)
-            worst = max(worst, float(torch.nan_to_num(diff, nan=float("inf")).max()))
+            if bool(torch.isnan(diff).any()):
+                return float("nan")
+            worst = max(worst, float(diff.max()))
         elif not torch.equal(e, a.to(e.dtype)):
             return float("inf")
     return worst
@@ -239,7 +243,7 @@ class NumericsInstrument(Instrument):
         step.max_abs_diff = max_abs_diff(self.reference, outputs)
         if self.quantized:
             self._check_quantized(step, outputs)
-        elif step.max_abs_diff > self.tolerance:
+        elif not step.max_abs_diff <= self.tolerance:
             where = (
                 f"pass {step.name!r} (stage {step.parent.name!r})" if step.kind == "pass" else f"stage {step.name!r}"
             )
@@ -248,8 +252,10 @@ class NumericsInstrument(Instrument):
                 if step.kind == "pass"
                 else "rerun with verify='passes' to find the pass, or with dump_dir set to compare the graphs"
             )
+            diff = step.max_abs_diff
+            by = "NaN where eager has a number" if math.isnan(diff) else f"max abs {diff:.3g}"
             raise VerificationError(
-                f"{where}: outputs differ from eager PyTorch by max abs {step.max_abs_diff:.3g} "
+                f"{where}: outputs differ from eager PyTorch by {by} "
                 f"(tolerance {self.tolerance:g}); this is the first {step.kind} over the tolerance. {hint}."
             )
 

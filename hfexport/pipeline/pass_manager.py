@@ -100,10 +100,28 @@ def register_pass(
             )
         if not instance.name:
             raise ConfigError(f"pass {target!r} has no name")
+        existing = _REGISTRY.get(instance.name)
+        if (
+            existing is not None
+            and _is_builtin(existing)
+            and _implementation(existing) is not _implementation(instance)
+        ):
+            raise ConfigError(
+                f"pass name {instance.name!r} is taken by hfexport's own pass; register yours under another name "
+                "(a pass list can then use it in place of the built-in)"
+            )
         _REGISTRY[instance.name] = instance
         return target if isinstance(target, type) else instance
 
     return register if obj is None else register(obj)
+
+
+def _implementation(pass_: Pass) -> Any:
+    return getattr(pass_, "fn", type(pass_))
+
+
+def _is_builtin(pass_: Pass) -> bool:
+    return getattr(_implementation(pass_), "__module__", "").startswith("hfexport.")
 
 
 def get_pass(name: str, *, missing_ok: bool = False) -> Pass | None:
@@ -147,8 +165,15 @@ def check_order(passes: Sequence[Pass]) -> None:
 
     The constraints among the passes present form a directed graph (edge a → b: a must run before
     b); a cycle is an error, and so is any edge that points backwards in the list. The list is
-    never reordered.
+    never reordered. A pass listed twice is an error too: its constraints could hold for one
+    occurrence only.
     """
+    names = [p.name for p in passes]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise PassOrderError(
+            f"pass(es) {', '.join(twice)} listed more than once ({', '.join(names)}); list each pass once"
+        )
     position = {p.name: i for i, p in enumerate(passes)}
     graph = nx.DiGraph()
     graph.add_nodes_from(position)
