@@ -3,8 +3,10 @@
 A caller passes the model's keyword inputs (tensors, caches); they are flattened to their keyword
 paths (``cache.layers.0.keys``) and matched by name against the component's
 :class:`~hfexport.targets.manifest.InputSpec` list, whatever the dict's order. A missing or an
-unknown input, a wrong rank, a size other than the exported one on a static axis, or a size outside
-a dynamic axis's exported range is an :class:`~hfexport.HfExportError` naming the input and the axis.
+unknown input, a dtype other than the exported one, a wrong rank, a size other than the exported one
+on a static axis, or a size outside a dynamic axis's exported range (below its minimum, such as an
+empty sequence, or above its maximum) is an :class:`~hfexport.HfExportError` naming the input and
+the axis, before the runtime sees it.
 """
 
 from __future__ import annotations
@@ -74,7 +76,14 @@ class Runner:
 
 
 def check_input(spec: InputSpec, value: Any) -> None:
-    """Raise :class:`HfExportError` if ``value`` does not fit ``spec`` (rank, static sizes, bounds)."""
+    """Raise :class:`HfExportError` if ``value`` does not fit ``spec`` (dtype, rank, static sizes,
+    bounds)."""
+    if isinstance(value, torch.Tensor) and spec.dtype and str(value.dtype).removeprefix("torch.") != spec.dtype:
+        wanted = str(spec.dtype)
+        raise HfExportError(
+            f"input {spec.name!r} has dtype {str(value.dtype).removeprefix('torch.')}, the program takes {wanted}; "
+            f"convert it first (tensor.to(torch.{wanted}))"
+        )
     shape = tuple(value.shape) if isinstance(value, torch.Tensor) else tuple(getattr(value, "shape", ()))
     if not spec.shape and not spec.dynamic:
         return  # a scalar, or nothing recorded about its shape
@@ -88,7 +97,16 @@ def check_input(spec: InputSpec, value: Any) -> None:
                     f"size {sample} on this axis; export with dynamic=True or dynamic_shapes covering it"
                 )
             continue
-        high = spec.dynamic[axis][1]
+        low, high = spec.dynamic[axis]
+        if low == 2:
+            # torch.export records 2 for an axis it traced as "not 0 or 1" (its 0/1 specialisation);
+            # the programs still take 1 (a batch of one prompt)
+            low = 1
+        if low is not None and size < low:
+            raise HfExportError(
+                f"input {spec.name!r} axis {axis} has size {size}, below the exported minimum {low}"
+                + (" (an empty input)" if size == 0 else "")
+            )
         if high is not None and size > high:
             raise HfExportError(
                 f"input {spec.name!r} axis {axis} has size {size}, above the exported upper bound {high} "

@@ -1,0 +1,53 @@
+"""Issue 12, class 7: every target's runner checks inputs by name before execution (missing,
+unknown, dtype, rank, static sizes, lower and upper bounds) and names the input."""
+
+import pytest
+import torch
+from models import build, sample_inputs
+
+from hfexport import DynamoConfig, ExportFolder, HfExportError, OnnxConfig, run_targets, save_export
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    model = build("tiny-llama")
+    configs = [DynamoConfig(dynamic=True), OnnxConfig(dynamic=True)]
+    results = run_targets(model, sample_inputs(model), configs)
+    found = {}
+    for fmt, result in results.items():
+        folder = tmp_path_factory.mktemp(fmt)
+        save_export(folder, {"model": result})
+        found[fmt] = ExportFolder(folder).runner()
+    return found
+
+
+def mistakes(inputs):
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    return [
+        ({"input_ids": ids}, "missing input\\(s\\) \\['attention_mask'\\]"),
+        ({**inputs, "pixel_values": torch.zeros(1)}, "unknown input\\(s\\) \\['pixel_values'\\]"),
+        ({**inputs, "input_ids": ids.int()}, "'input_ids' has dtype int32, the program takes int64"),
+        ({**inputs, "attention_mask": mask.float()}, "'attention_mask' has dtype float32, the program takes int64"),
+        (
+            {"input_ids": ids[:, :0], "attention_mask": mask[:, :0]},
+            "'input_ids' axis 1 has size 0, below the exported minimum 1 \\(an empty input\\)",
+        ),
+        ({**inputs, "input_ids": ids[0]}, "'input_ids' has rank 1, the program expects 2"),
+    ]
+
+
+@pytest.mark.parametrize("target", ["dynamo", "onnx"])
+def test_each_bad_input_is_named_before_the_runtime_runs(folders, target):
+    model = build("tiny-llama")
+    inputs = sample_inputs(model, 2, 5)
+    runner = folders[target]
+    for bad, message in mistakes(inputs):
+        with pytest.raises(HfExportError, match=message):
+            runner.run(bad)
+    # and the good inputs, batch 1 included, still run
+    for batch in (1, 3):
+        good = sample_inputs(model, batch, 5)
+        with torch.no_grad():
+            expected = model(**good).logits
+        got = torch.as_tensor(runner.run(good)[0])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
