@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hfexport.errors import HfExportError
 from hfexport.targets import target_names
@@ -186,11 +186,29 @@ TRUST_HELP = (
 )
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, as every other hfexport error (``--help``
+    shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"hfexport: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hfexport", description="Export transformers models through a staged pipeline."
-    )
+    parser = OneLineParser(prog="hfexport", description="Export transformers models through a staged pipeline.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--debug", action="store_true", help="on an error, show the full traceback")
     commands = parser.add_subparsers(dest="command", required=True)
 
     export = commands.add_parser("export", help="export a model (a built-in tiny preset or a local folder)")
@@ -219,12 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
         "8da4w) or int8 (int8 weights; 8da8w), activations quantized to int8 at run time; see the README",
     )
     export.add_argument("--config", help="a JSON config file (keys of the backend's config); flags override it")
-    export.add_argument("--batch", type=int, default=2, help="sample batch size (default 2)")
-    export.add_argument("--seq", type=int, default=8, help="sample sequence length (default 8)")
+    export.add_argument("--batch", type=positive_int, default=2, help="sample batch size (default 2)")
+    export.add_argument("--seq", type=positive_int, default=8, help="sample sequence length (default 8)")
     export.add_argument(
         "--generation", action="store_true", help="export prefill and a static-cache decode graph (implies --dynamic)"
     )
-    export.add_argument("--max-cache-len", type=int, default=64, help="static cache length with --generation")
+    export.add_argument("--max-cache-len", type=positive_int, default=64, help="static cache length with --generation")
     export.add_argument(
         "--components",
         help="with --generation, the comma-separated components to export (default all; `hfexport generate` "
@@ -240,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="the prompt text (tokenised with the export's tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     generate.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to --prompt")
-    generate.add_argument("--max-new-tokens", type=int, default=16)
+    generate.add_argument("--max-new-tokens", type=positive_int, default=16)
     generate.add_argument("--trust-artifact", action="store_true", help=TRUST_HELP)
     generate.set_defaults(run=_generate)
 
@@ -265,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with quiet_loggers(*TORCHAO_LOGGERS):  # imported by transformers and executorch
             return args.run(args)
-    except (HfExportError, FileNotFoundError) as error:
+    except (HfExportError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
+        if args.debug:
+            raise
         print(f"hfexport: error: {error}", file=sys.stderr)
         for note in getattr(error, "__notes__", ()):
             print(f"hfexport: {note}", file=sys.stderr)
@@ -274,6 +294,15 @@ def main(argv: list[str] | None = None) -> int:
         # an export is staged and moved into --out only when complete: nothing partial is left
         print("hfexport: interrupted; nothing from this run was written", file=sys.stderr)
         return 130
+    except Exception as error:  # anything hfexport did not anticipate: still one line, unless --debug
+        if args.debug:
+            raise
+        first = str(error).strip().splitlines()[0][:500] if str(error).strip() else ""
+        print(
+            f"hfexport: error: {type(error).__name__}: {first} (rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ function that runs its artifact.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -220,6 +221,15 @@ class TextGenerator:
 
         return AutoTokenizer.from_pretrained(self.folder)
 
+    def _vocab_size(self) -> int | None:
+        """The model config's vocabulary size, when the export folder has its ``config.json``."""
+        path = self.folder / "config.json"
+        if not path.is_file():
+            return None
+        config = json.loads(path.read_text())
+        size = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+        return size if isinstance(size, int) else None
+
     def _eos_token_ids(self) -> list[int]:
         ids: list[int] = []
         if (self.folder / "generation_config.json").is_file():
@@ -235,7 +245,13 @@ class TextGenerator:
         """``[1, length]`` prompt ids: ``prompt`` itself when it is ids, else tokenised (with the
         chat template when ``chat``)."""
         if not isinstance(prompt, str):
-            return torch.tensor([list(prompt)], dtype=torch.long)
+            ids = list(prompt)
+            vocab = self._vocab_size()
+            beyond = [token for token in ids if token < 0 or (vocab is not None and token >= vocab)]
+            if beyond:
+                limit = f"0 to {vocab - 1}" if vocab is not None else "non-negative"
+                raise HfExportError(f"prompt token id(s) {beyond} are outside the vocabulary ({limit})")
+            return torch.tensor([ids], dtype=torch.long)
         if self.tokenizer is None:
             raise HfExportError(
                 f"{self.folder} has no tokenizer files; export from a checkpoint folder that has them, "

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from hfexport.errors import ConfigError, HfExportError
+from hfexport.errors import ConfigError, HfExportError, UnsupportedModelError
 from hfexport.models.frontend import normalize_inputs
 from hfexport.models.static_layers import with_encoder_length_cross_attention
 from hfexport.models.vision import VISION_INDEX_HELPERS, VisionEncoderWithIndices, recording_vision_indices
@@ -169,6 +169,12 @@ def decompose_for_generation(
     """
     from transformers import GenerationConfig
 
+    can_generate = getattr(model, "can_generate", None)
+    if not callable(can_generate) or not can_generate():
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not generate (it has no language-model head: can_generate() is "
+            "False), so it has no generation components; export it without --generation / export_for_generation"
+        )
     inputs = normalize_inputs(inputs, model)
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     new_tokens = 3 if multi_token_decode else 2

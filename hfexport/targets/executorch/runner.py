@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from hfexport.errors import HfExportError
+from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
 from hfexport.targets.manifest import ComponentSpec, Manifest
 from hfexport.targets.runner import Runner
@@ -30,8 +30,15 @@ class ExecutorchRunner(Runner):
         if spec is None:
             spec = _spec_of(source)
         data = source.buffer if hasattr(source, "buffer") else source
-        self.program = Runtime.get().load_program(data if isinstance(data, bytes) else str(data))
-        self.method = self.program.load_method("forward")
+        try:
+            self.program = Runtime.get().load_program(data if isinstance(data, bytes) else str(data))
+            self.method = self.program.load_method("forward")
+        except (RuntimeError, ValueError) as error:  # the runtime's bare codes ("error: 0x23")
+            where = "the program" if isinstance(data, bytes) else str(data)
+            raise ArtifactError(
+                f"the ExecuTorch runtime cannot load {where} ({str(error).strip()[:200]}); the file may be "
+                "truncated or not a .pte program: export again"
+            ) from error
         meta = self.method.metadata
         self.upper_bounds = [tuple(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
         if len(spec.fed) != len(self.upper_bounds):

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hfexport.errors import HfExportError
+from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
 from hfexport.targets.manifest import ComponentSpec, InputSpec, Manifest, OutputSpec
 from hfexport.targets.runner import Runner
@@ -60,7 +60,13 @@ class OnnxRunner(Runner):
         options.log_severity_level = 3
         if threads is not None:
             options.intra_op_num_threads = threads
-        self.session = onnxruntime.InferenceSession(str(path), options, providers=list(providers))
+        try:
+            self.session = onnxruntime.InferenceSession(str(path), options, providers=list(providers))
+        except Exception as error:  # ONNX Runtime raises its own types (InvalidProtobuf, NoSuchFile, …)
+            raise ArtifactError(
+                f"ONNX Runtime cannot load {path} ({type(error).__name__}: {str(error).strip()[:200]}); the file "
+                "may be truncated or not an ONNX model: export again"
+            ) from error
         if spec is None:
             found = Manifest.find(path)
             spec = found[0].component(found[1]) if found else _session_spec(self.session)

@@ -1,0 +1,86 @@
+"""Issue 12, class 5: an ordinary command-line mistake is one line on stderr saying what was wrong
+and what to do, a non-zero exit, no traceback; ``--debug`` shows the traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from models import build
+
+from hfexport.cli import main
+
+
+def one_line_error(capsys, argv, *words):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code not in (0, None), err
+    assert "Traceback" not in err, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("hfexport: error:")]
+    assert len(errors) == 1 and all(word in errors[0] for word in words), err[-2000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama") / "saved"
+    build("tiny-llama").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def generation_export(tmp_path_factory, saved_llama):
+    out = tmp_path_factory.mktemp("gen") / "gen"
+    assert main(["export", str(saved_llama), "--generation", "--components", "decode", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["export", "tiny-llama", "--out", "{tmp}/o", "--seq", "-1"], ["--seq", "at least 1, got -1"]),
+        (["export", "tiny-llama", "--out", "{tmp}/o", "--batch", "two"], ["--batch", "whole number"]),
+        (["export", "tiny-llama", "--out", "{tmp}/o", "--config", "{tmp}/bad.json"], ["cannot read a JSON object"]),
+        (["export", "tiny-llama", "--out", "{tmp}/o", "--config", "{tmp}/dynamic.json"], ["dynamic must be bool"]),
+        (
+            ["export", "tiny-llama", "--out", "{tmp}/o", "--format", "executorch", "--config", "{tmp}/cuda.json"],
+            ["CUDA"],
+        ),
+        (["export", "{tmp}/no-weights", "--out", "{tmp}/o"], ["no-weights"]),
+        (["export", "{tmp}/broken-config", "--out", "{tmp}/o"], ["error"]),
+        (["export", "tiny-bert", "--generation", "--out", "{tmp}/o"], ["BertModel does not generate"]),
+        (["export", "tiny-llama", "--out", "{tmp}/file.txt"], ["is a file"]),
+        (["export", "tiny-llama", "--out", "{tmp}/o", "--dump-dir", "{tmp}/file.txt"], ["dump_dir", "is a file"]),
+        (["generate", "{tmp}/missing", "--prompt-ids", "1,2"], ["no hfexport.json"]),
+        (["replay", "{tmp}/missing.pt2", "--passes", "dead_code_elimination"], ["does not exist"]),
+    ],
+)
+def test_a_mistake_is_one_line(tmp_path, capsys, argv, words):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "dynamic.json").write_text(json.dumps({"dynamic": "no"}))
+    (tmp_path / "cuda.json").write_text(json.dumps({"backend": "cuda"}))
+    (tmp_path / "file.txt").write_text("mine")
+    (tmp_path / "no-weights").mkdir()
+    build("tiny-llama").config.save_pretrained(tmp_path / "no-weights")
+    (tmp_path / "broken-config").mkdir()
+    (tmp_path / "broken-config" / "config.json").write_text("{")
+    one_line_error(capsys, [a.format(tmp=tmp_path) for a in argv], *words)
+    assert (tmp_path / "file.txt").read_text() == "mine" and not (tmp_path / "o").exists()
+
+
+def test_generate_mistakes_are_one_line(generation_export, tmp_path, capsys):
+    one_line_error(capsys, ["generate", generation_export, "--prompt-ids", "a,b"], "comma-separated integers")
+    one_line_error(capsys, ["generate", generation_export, "--prompt-ids", "5,128"], "[128]", "0 to 127")
+    one_line_error(capsys, ["generate", generation_export, "--prompt-ids", "5", "--max-new-tokens", "0"], "at least 1")
+    static = tmp_path / "static"
+    assert main(["export", "tiny-llama", "--out", str(static)]) == 0
+    one_line_error(capsys, ["generate", static, "--prompt-ids", "5"], "single-graph export")
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    command = [sys.executable, "-m", "hfexport.cli", "--debug", "generate", str(tmp_path), "--prompt-ids", "1"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode != 0 and "Traceback" in result.stderr and "no hfexport.json" in result.stderr
