@@ -206,8 +206,7 @@ class OnnxConfig(DynamoConfig):
             raise ConfigError(f"OnnxConfig quantize must be None, 'int4' or 'int8', got {self.quantize!r}")
         if self.opset_version is not None:
             latest = latest_onnx_opset()
-            valid = isinstance(self.opset_version, int) and not isinstance(self.opset_version, bool)
-            if not valid or not MIN_ONNX_OPSET <= self.opset_version <= (latest or self.opset_version):
+            if not MIN_ONNX_OPSET <= self.opset_version <= (latest or self.opset_version):
                 upper = f"through {latest}" if latest else "or later"
                 raise ConfigError(
                     f"OnnxConfig opset_version must be an int from {MIN_ONNX_OPSET} {upper} (torch.onnx's exporter "
