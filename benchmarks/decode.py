@@ -288,7 +288,7 @@ def answer_text(tokenizer, tokens: torch.Tensor, prompt_len: int) -> str:
     return tokenizer.decode(tokens[0, prompt_len:], skip_special_tokens=True).strip()
 
 
-def benchmark(args: argparse.Namespace) -> list[Row]:
+def benchmark(args: argparse.Namespace) -> tuple[list[Row], float]:
     from transformers import GenerationConfig
 
     torch.set_num_threads(args.threads)
@@ -374,7 +374,7 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
                 row = peer_row(args, variant, model_name, folder, model, bandwidth, reference, ids.shape[1])
                 if row is not None:
                     rows.append(row)
-    return rows
+    return rows, bandwidth
 
 
 PEERS_SCRIPT = Path(__file__).parent / "peers.py"
@@ -403,7 +403,7 @@ def peer_row(args, variant: str, model_name: str, folder: Path, model, bandwidth
     )
     row.first_token_seconds, row.decode_tps = record["first_token_seconds"], record["decode_tokens_per_second"]
     row.prefill_tps = record["prompt_tokens"] / row.first_token_seconds
-    quantized = ":" in variant  # the whole artifact: its embedding may be quantized too
+    quantized = "8da" in variant  # its bound: the whole artifact (the embedding may be quantized too)
     weight_bytes = row.artifact_mb * 2**20 if quantized else None
     row.bound_tps = bandwidth * 1e9 / bytes_per_token(model, args.cache_len, weight_bytes)
     tokens = torch.cat([reference[:, :prompt_len], torch.tensor([record["token_ids"]])], dim=1)
@@ -488,10 +488,10 @@ def main() -> None:
     args.models = [m for m in args.models.split(",") if m]
     args.targets = [t for t in args.targets.split(",") if t]
     args.peers = [p for p in args.peers.split(",") if p] if args.peers_dir else []
-    rows = benchmark(args)
+    rows, bandwidth = benchmark(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    note = f"memory bandwidth {memory_bandwidth_gbs():.1f} GB/s (1 GiB copy)"
+    note = f"memory bandwidth {bandwidth:.1f} GB/s (1 GiB copy, measured before the exports)"
     (out / "decode.md").write_text(markdown(rows, note, args.threads))
     chart(rows, out / "decode.png")
     print(markdown(rows, note, args.threads))
