@@ -448,17 +448,18 @@ def chart(rows: list[Row], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r.model for r in rows))
-    figure, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    widest = max(sum(r.model == m for r in rows) for m in models)
+    figure, axes = plt.subplots(1, len(models), figsize=(max(5, 0.8 * widest) * len(models), 5), squeeze=False)
     for axis, model in zip(axes[0], models, strict=True):
         mine = [r for r in rows if r.model == model]
         names = [r.target for r in mine]
         colors = ["tab:orange" if r.target.startswith("optimum") else "tab:blue" for r in mine]
         axis.bar(names, [r.decode_tps for r in mine], color=colors, label="decode (orange: peers)")
         axis.scatter(names, [r.bound_tps for r in mine], color="tab:red", marker="_", s=900, label="bandwidth bound")
-        axis.tick_params(axis="x", labelrotation=30)
+        axis.set_xticks(range(len(names)), names, rotation=35, ha="right")
         axis.set_title(model)
         axis.set_ylabel("decode tokens/s (batch 1)")
-        axis.legend(loc="lower right")
+        axis.legend(loc="upper left")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
