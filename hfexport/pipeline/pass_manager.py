@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
+import torch
 
 from hfexport.errors import ConfigError, PassError, PassOrderError
 
@@ -210,12 +211,35 @@ def signature_of(program: Any) -> tuple[list[str], Any] | None:
     return None
 
 
+OWNS_WEIGHTS_KEY = "hfexport.owns_weights"
+
+
+def own_weights(program: Any) -> None:
+    """Give an ``ExportedProgram`` its own copy of its weights (``state_dict`` and tensor
+    constants), once. torch.export's program holds the model's own parameters, so a pass that
+    edits one in place would change the user's model."""
+    meta = getattr(getattr(program, "graph_module", None), "meta", None)
+    if meta is None or meta.get(OWNS_WEIGHTS_KEY) or not hasattr(program, "state_dict"):
+        return
+    for table in (program.state_dict, program.constants):
+        for name, value in list(table.items()):
+            if isinstance(value, torch.nn.Parameter):
+                table[name] = torch.nn.Parameter(value.detach().clone(), requires_grad=value.requires_grad)
+            elif isinstance(value, torch.Tensor):
+                table[name] = value.detach().clone()
+    meta[OWNS_WEIGHTS_KEY] = True
+
+
 def execute_pass(pass_: Pass, program: Any, before: Sequence[str] = ()) -> PassResult:
     """Run one pass with the checks every run gets, in a pipeline or in ``hfexport replay``: it must
     return a :class:`PassResult` holding a program of the type it was given, with the same
     user inputs and number of outputs. Any failure is a :class:`PassError` naming the pass and the
-    passes that ran ``before`` it."""
+    passes that ran ``before`` it. Before the first pass that is not hfexport's own, the program
+    gets its own copy of the weights (:func:`own_weights`): hfexport's passes replace weights, and
+    never edit the model's in place; a user pass might."""
     signature = signature_of(program)
+    if not _is_builtin(pass_):
+        own_weights(program)
     try:
         result = pass_(program)
         if not isinstance(result, PassResult):

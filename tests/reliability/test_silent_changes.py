@@ -57,3 +57,23 @@ def test_the_opset_asked_for_is_the_opset_written():
         atol=1e-4,
         rtol=0,
     )
+
+
+@register_pass(name="test_zeroes_a_weight_in_place")
+def zeroes_a_weight_in_place(program):
+    program.state_dict["model.embed_tokens.weight"].data.zero_()
+    return PassResult(program, modified=True)
+
+
+def weights_hash(model):
+    return hash(tuple((name, float(tensor.double().abs().sum())) for name, tensor in model.state_dict().items()))
+
+
+def test_a_user_pass_editing_weights_in_place_leaves_the_users_model_unchanged():
+    model = build("tiny-llama")
+    before = weights_hash(model)
+    config = DynamoConfig(passes=["test_zeroes_a_weight_in_place"])
+    program = DynamoExporter().export(model, sample_inputs(model), config)
+    assert weights_hash(model) == before
+    assert float(program.state_dict["model.embed_tokens.weight"].detach().abs().sum()) == 0.0  # its own copy
+    assert float(model.model.embed_tokens.weight.detach().abs().sum()) > 0
