@@ -306,23 +306,24 @@ class Captured:
         return dataclasses.replace(self, program=snapshot_program(self.program))
 
 
-# inputs whose axis 1 is the token sequence (what max_seq_len bounds)
-TOKEN_INPUTS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "decoder_input_ids")
+# 2-D [batch, tokens] inputs (position ids are not always: rope sections, a vision encoder's patches)
+TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "decoder_input_ids")
 
 
 def check_sample_within(inputs: dict[str, Any], bounds: AxisBounds) -> None:
-    """Raise :class:`ConfigError` when the sample's batch (axis 0 of its tensors) or token count
-    (axis 1 of its token inputs) exceeds ``bounds``: the program could not take its own sample,
-    and the bounds reported would not be the ones it was built with."""
+    """Raise :class:`ConfigError` when the sample's token inputs have a batch (axis 0) or a token
+    count (axis 1) beyond ``bounds``: the program could not take its own sample, and the bounds
+    reported would not be the ones it was built with. Other inputs' leading axes need not be a
+    batch (a vision encoder's patches), and capture keeps those at least at the sample's size."""
     for name, value in inputs.items():
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        if name not in TOKEN_INPUTS or not isinstance(value, torch.Tensor) or value.dim() != 2:
             continue
         if value.shape[0] > bounds.batch:
             raise ConfigError(
                 f"the sample input {name!r} has batch {value.shape[0]}, above the batch bound {bounds.batch} "
                 f"({bounds.source}); raise max_batch_size or export with a smaller sample"
             )
-        if name in TOKEN_INPUTS and value.dim() >= 2 and value.shape[1] > bounds.other:
+        if value.shape[1] > bounds.other:
             raise ConfigError(
                 f"the sample input {name!r} has {value.shape[1]} tokens, above the sequence bound {bounds.other} "
                 f"({bounds.source}); raise max_seq_len or export with a shorter sample"
