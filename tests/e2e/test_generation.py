@@ -373,8 +373,9 @@ def test_encoder_decoder_static_prefill_takes_another_source_length():
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-# Bart's components are T5's kinds of graphs (and run on Dynamo and ONNX above): make test-all
-@pytest.mark.parametrize("kind", [pytest.param("bart", marks=pytest.mark.slow), "t5", "whisper"])
+# the encoder-decoder components run on Dynamo and ONNX above in make test; their ExecuTorch
+# lowerings take about a minute each: make test-all, to keep make test under 30 minutes
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) for k in ("bart", "t5", "whisper")])
 def test_encoder_decoder_components_match_eager_on_executorch(kind):
     from models import build_encoder_decoder
 
@@ -416,6 +417,7 @@ def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache(caplog):
         assert set(exporter.export_for_generation(model, inputs, config, *generation)) == {"prefill", "decode"}
 
 
+@pytest.mark.slow  # 80 s: make test-all (as Qwen2-VL's below, 60 s), to keep make test under 30 minutes
 def test_llava_components_include_the_image_encoder_and_projector():
     from models import build_llava
 
@@ -437,6 +439,7 @@ def test_llava_components_include_the_image_encoder_and_projector():
         assert list(programs) == list(components)
 
 
+@pytest.mark.slow
 def test_qwen2_vl_components_have_an_image_encoder_and_no_separate_projector():
     from models import build_qwen2_vl
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids
