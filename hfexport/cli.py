@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -81,6 +85,37 @@ def clear_out(out: Path, folders: list[Path], overwrite: bool) -> None:
                 path.unlink()
 
 
+class Interrupts:
+    """Ctrl-C during a command. Code deep in a backend can catch the ``KeyboardInterrupt`` and go
+    on (seen in an ExecuTorch delegate stage), so the signal is also recorded, and
+    :meth:`check` raises it again before anything is written."""
+
+    received = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def recorded(cls) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        cls.received = False
+
+        def handler(number: int, frame: Any) -> None:
+            cls.received = True
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGINT, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    @classmethod
+    def check(cls) -> None:
+        if cls.received:
+            raise KeyboardInterrupt
+
+
 def _export(args: argparse.Namespace) -> int:
     from hfexport.exporters import run_for_generation, run_targets
     from hfexport.pipeline.instruments import ProgressInstrument
@@ -120,6 +155,7 @@ def _export(args: argparse.Namespace) -> int:
             decode = results.get("decode")
             query = decode.captured.sample_shapes.get("input_ids", [0, 1])[1] if decode else 1
             generation = {"max_cache_len": args.max_cache_len, "multi_token_decode": query > 1}
+            Interrupts.check()
             manifest = save_export(folder, results, generation=generation, model_folder=model_folder(args.model))
             for spec in manifest.components.values():
                 print(f"wrote {folder / spec.file}")
@@ -127,6 +163,7 @@ def _export(args: argparse.Namespace) -> int:
     results = run_targets(model, inputs, configs, progress)
     for config in configs:
         folder, result = folders[config.export_format], results[config.export_format]
+        Interrupts.check()
         manifest = save_export(folder, {"model": result}, model_folder=model_folder(args.model))
         print(stage_table(result.records))
         dumps = f"; dumps and report.md in {config.dump_dir}" if config.dump_dir else ""
@@ -281,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     try:
-        with quiet_loggers(*TORCHAO_LOGGERS):  # imported by transformers and executorch
+        with quiet_loggers(*TORCHAO_LOGGERS), Interrupts.recorded():  # torchao: imported by transformers
             return args.run(args)
     except (HfExportError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
         if args.debug:

@@ -12,6 +12,7 @@ import pytest
 
 from hfexport import register_pass
 from hfexport.cli import main
+from hfexport.pipeline.pass_manager import PassResult
 
 HFEXPORT = [sys.executable, "-m", "hfexport.cli"]
 PROGRAM_FILES = ("hfexport.json", "model.pt2", "model.onnx", "model.pte")
@@ -97,3 +98,20 @@ def test_a_dump_dir_that_is_a_file_is_one_clear_error(tmp_path, capsys):
     file.write_text("mine")
     assert main(["export", "tiny-llama", "--out", str(tmp_path / "out"), "--dump-dir", str(file)]) == 2
     assert "dump_dir" in capsys.readouterr().err and file.read_text() == "mine"
+
+
+@register_pass(name="test_output_folders_swallows_ctrl_c")
+def swallows_ctrl_c(program):
+    try:  # what backend code that catches KeyboardInterrupt does
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(10**6))  # the handler runs between bytecodes
+    except KeyboardInterrupt:
+        pass
+    return PassResult(program, modified=False)
+
+
+def test_an_interrupt_a_backend_swallows_still_writes_nothing(earlier_export, capsys):
+    command = ["export", "tiny-llama", "--out", str(earlier_export), "--overwrite"]
+    assert main([*command, "--passes", "test_output_folders_swallows_ctrl_c"]) == 130
+    assert "interrupted; nothing from this run was written" in capsys.readouterr().err
+    assert not [name for name in listing(earlier_export) if name in PROGRAM_FILES or name.startswith(".hfexport")]
