@@ -222,7 +222,7 @@ def run_for_generation(
             if isinstance(config, dict) and name not in config:
                 raise ConfigError(
                     f"the per-component config dict has no entry for component {name!r}; "
-                    f"give one for each of: {', '.join(components)}"
+                    f"give one for each of: {', '.join(selected)}"
                 )
             config = copy.deepcopy(config[name] if isinstance(config, dict) else config)
             cache_len = getattr(generation_config, "max_cache_len", None)

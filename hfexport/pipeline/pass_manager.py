@@ -214,13 +214,14 @@ def signature_of(program: Any) -> tuple[list[str], Any] | None:
 OWNS_WEIGHTS_KEY = "hfexport.owns_weights"
 
 
-def own_weights(program: Any) -> None:
+def own_weights(program: Any) -> Any:
     """Give an ``ExportedProgram`` its own copy of its weights (``state_dict`` and tensor
-    constants), once. torch.export's program holds the model's own parameters, so a pass that
-    edits one in place would change the user's model."""
+    constants), once, and return it. torch.export's program holds the model's own parameters, so
+    a pass that edits one in place would change the user's model, and editing the model after
+    the export would change the program (and the ONNX initializers made from it)."""
     meta = getattr(getattr(program, "graph_module", None), "meta", None)
     if meta is None or meta.get(OWNS_WEIGHTS_KEY) or not hasattr(program, "state_dict"):
-        return
+        return program
     for table in (program.state_dict, program.constants):
         for name, value in list(table.items()):
             if isinstance(value, torch.nn.Parameter):
@@ -228,6 +229,8 @@ def own_weights(program: Any) -> None:
             elif isinstance(value, torch.Tensor):
                 table[name] = value.detach().clone()
     meta[OWNS_WEIGHTS_KEY] = True
+    return program
+    return program
 
 
 def execute_pass(pass_: Pass, program: Any, before: Sequence[str] = ()) -> PassResult:

@@ -17,7 +17,7 @@ from hfexport.pipeline.instruments import (
     StepRecord,
     TimingInstrument,
 )
-from hfexport.pipeline.pass_manager import PassManager, PassResult, execute_pass
+from hfexport.pipeline.pass_manager import PassManager, PassResult, execute_pass, own_weights
 from hfexport.pipeline.patches import EXPORT_LOCK
 
 
@@ -308,4 +308,6 @@ class Pipeline:
         finally:
             for instrument in self.instruments:
                 instrument.finish(run, error)
+        if isinstance(program, torch.export.ExportedProgram):
+            own_weights(program)  # a snapshot: later edits to the model do not reach it
         return PipelineResult(program, run.records, run.captured, run.report(), type(model).__name__)

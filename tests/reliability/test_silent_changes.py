@@ -77,3 +77,21 @@ def test_a_user_pass_editing_weights_in_place_leaves_the_users_model_unchanged()
     assert weights_hash(model) == before
     assert float(program.state_dict["model.embed_tokens.weight"].detach().abs().sum()) == 0.0  # its own copy
     assert float(model.model.embed_tokens.weight.detach().abs().sum()) > 0
+
+
+@pytest.mark.parametrize("target", ["dynamo", "onnx"])
+def test_editing_the_model_after_the_export_leaves_the_program_unchanged(target):
+    model = build("tiny-llama")
+    inputs = sample_inputs(model)
+    if target == "dynamo":
+        program = DynamoExporter().export(model, inputs)
+        run = lambda: program.module()(**inputs).logits.detach()  # noqa: E731
+    else:
+        program = OnnxExporter().export(model, inputs, OnnxConfig(optimize=False))
+        run = lambda: torch.from_numpy(np.asarray(program(**inputs)[0]))  # noqa: E731
+    expected = model(**inputs).logits.detach()
+    torch.testing.assert_close(run(), expected, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    assert model(**inputs).logits.abs().max() == 0  # the model did change
+    torch.testing.assert_close(run(), expected, atol=1e-4, rtol=0)

@@ -21,6 +21,7 @@ from torch.export.graph_signature import ConstantArgument, OutputKind, TensorArg
 from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind
 from hfexport.pipeline.capture import Captured
 from hfexport.pipeline.io_names import program_io_names, user_input_names
+from hfexport.pipeline.pass_manager import own_weights
 from hfexport.targets.manifest import ComponentSpec, OutputSpec, captured_facts, program_inputs
 from hfexport.versions import quiet_loggers, require_backend
 
@@ -71,8 +72,10 @@ def _missing_translations() -> dict[Any, Any]:
 
 def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None) -> torch.onnx.ONNXProgram:
     """Translate an ``ExportedProgram`` to ONNX with torch.onnx (translation only: the optimizer
-    runs as the ``onnx_optimizer`` pass), its inputs and outputs named as :func:`onnx_component` says."""
+    runs as the ``onnx_optimizer`` pass), its inputs and outputs named as :func:`onnx_component` says.
+    The initializers are the program's own copy of the weights, not the model's tensors."""
     require_backend("onnx", ONNX_MODULES)
+    program = own_weights(program)
     fed = [i.path for i in program_inputs(program, None) if i.constant is None]  # flags are not ONNX inputs
     with _quiet_torch_onnx():
         onnx_program = torch.onnx.export(
