@@ -83,14 +83,14 @@ def test_a_user_pass_editing_weights_in_place_leaves_the_users_model_unchanged()
 def test_editing_the_model_after_the_export_leaves_the_program_unchanged(target):
     model = build("tiny-llama")
     inputs = sample_inputs(model)
+    expected = model(**inputs).logits.detach()
     if target == "dynamo":
         program = DynamoExporter().export(model, inputs)
         run = lambda: program.module()(**inputs).logits.detach()  # noqa: E731
     else:
         program = OnnxExporter().export(model, inputs, OnnxConfig(optimize=False))
+        # the first call serialises the model into an ONNX Runtime session: after the edit
         run = lambda: torch.from_numpy(np.asarray(program(**inputs)[0]))  # noqa: E731
-    expected = model(**inputs).logits.detach()
-    torch.testing.assert_close(run(), expected, atol=1e-4, rtol=0)
     with torch.no_grad():
         model.lm_head.weight.zero_()
     assert model(**inputs).logits.abs().max() == 0  # the model did change
