@@ -265,6 +265,47 @@ def input_axes(program: torch.export.ExportedProgram, inputs: dict[str, Any], dy
     return table
 
 
+def check_input_names(model: torch.nn.Module, inputs: dict[str, Any]) -> None:
+    """Every input must be a parameter of ``forward``, unless ``forward`` takes ``**kwargs`` (see
+    :func:`check_kwargs_inputs_used`): a misspelled name would otherwise fail deep in the trace."""
+    parameters = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = [name for name in inputs if name not in parameters]
+    if unknown:
+        raise ConfigError(
+            f"{type(model).__name__}.forward has no parameter {', '.join(map(repr, unknown))}; drop it from the "
+            f"inputs or fix its name (forward takes: {', '.join(parameters)})"
+        )
+
+
+def check_kwargs_inputs_used(
+    model: torch.nn.Module, program: torch.export.ExportedProgram, inputs: dict[str, Any]
+) -> None:
+    """An input that reaches ``forward`` only through ``**kwargs`` and that the traced program never
+    reads is refused: it is most likely a misspelled name (``attention_masks``), and the export
+    would silently run without it."""
+    from hfexport.pipeline.io_names import user_input_names
+
+    parameters = inspect.signature(model.forward).parameters
+    extra = [name for name in inputs if name not in parameters]
+    if not extra:
+        return
+    used = {
+        readable.split(".")[0]
+        for placeholder, readable in user_input_names(program).items()
+        if any(n.name == placeholder and n.users for n in program.graph.nodes if n.op == "placeholder")
+    }
+    unused = [name for name in extra if name not in used]
+    if unused:
+        named = [name for name in parameters if parameters[name].kind is not inspect.Parameter.VAR_KEYWORD]
+        raise ConfigError(
+            f"{type(model).__name__} does not use input {', '.join(map(repr, unused))}: forward has no such "
+            f"parameter (it only reaches **kwargs) and the traced program never reads it; drop it from the "
+            f"inputs or fix its name (forward's parameters: {', '.join(named)})"
+        )
+
+
 def _check_no_var_keyword_inputs(model: torch.nn.Module, inputs: dict[str, Any]) -> None:
     parameters = inspect.signature(model.forward).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
@@ -366,6 +407,7 @@ def capture(
             dynamic_shapes = {name: dynamic_shapes.get(name) for name in inputs}
         if bounds is not None and dynamic_shapes is not None:
             dynamic_shapes = bound_dynamic_shapes(dynamic_shapes, bounds)
+    check_input_names(model, inputs)
     if dynamic_shapes is not None:
         _check_no_var_keyword_inputs(model, inputs)
     if bounds is not None:
@@ -386,6 +428,7 @@ def capture(
     elif widened is not None:
         # the program carries the caller's sample, not the widened copy (a decode loop reuses its cache)
         program.example_inputs = ((), copy_inputs(inputs))
+    check_kwargs_inputs_used(model, program, inputs)
     table = input_axes(program, inputs, dynamic_shapes)
     for row in table:
         if row.requested_dynamic and not row.dynamic:

@@ -95,3 +95,21 @@ def test_editing_the_model_after_the_export_leaves_the_program_unchanged(target)
         model.lm_head.weight.zero_()
     assert model(**inputs).logits.abs().max() == 0  # the model did change
     torch.testing.assert_close(run(), expected, atol=1e-4, rtol=0)
+
+
+def test_a_static_export_refuses_an_input_the_model_never_reads():
+    model = build("tiny-llama")
+    inputs = dict(sample_inputs(model))
+    inputs["attention_masks"] = inputs["attention_mask"].clone()  # misspelled: forward only sees it in **kwargs
+    with pytest.raises(ConfigError, match="does not use input 'attention_masks'.*fix its name.*attention_mask"):
+        DynamoExporter().export(model, inputs)
+    assert "attention_masks" in inputs  # the caller's dict is untouched
+
+
+def test_an_input_that_is_no_parameter_of_forward_is_refused_before_tracing():
+    class Plain(torch.nn.Module):
+        def forward(self, input_ids):
+            return input_ids * 2
+
+    with pytest.raises(ConfigError, match="Plain.forward has no parameter 'input_id'.*forward takes: input_ids"):
+        DynamoExporter().export(Plain(), {"input_id": torch.ones(1, 3)})
