@@ -203,6 +203,7 @@ class InputAxis:
     requested_dynamic: bool
     min: int | None = None
     max: int | None = None
+    dim: str = ""  # the dynamic axis's size in the program's symbols ("s27"): axes with one dim agree
 
     def describe(self) -> str:
         if self.dynamic:
@@ -258,6 +259,7 @@ def input_axes(program: torch.export.ExportedProgram, inputs: dict[str, Any], dy
             )
             if dynamic:
                 bounds = program.range_constraints.get(size.node.expr)
+                row.dim = str(size.node.expr)
                 if bounds is not None:
                     row.min = int(bounds.lower)
                     row.max = None if bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)

@@ -31,8 +31,10 @@ FORMAT_VERSION = 1
 class InputSpec:
     """One input of a program: ``name`` in the artifact, ``path`` in the model's keyword inputs
     (``cache.layers.0.keys``), dtype, sample shape, and ``dynamic`` axes as ``{axis: [min, max]}``
-    (``max`` None: unbounded). A constant input (a flag such as ``use_cache``) has ``constant`` set
-    and is not fed. ``written``: the program updates this input in place."""
+    (``max`` None: unbounded), each with its size as the program's symbol expression in ``dims``
+    (axes of several inputs with one expression must have one size). A constant input (a flag such
+    as ``use_cache``) has ``constant`` set and is not fed. ``written``: the program updates this
+    input in place."""
 
     name: str
     path: str
@@ -41,6 +43,7 @@ class InputSpec:
     dynamic: dict[int, list[int | None]] = field(default_factory=dict)
     written: bool = False
     constant: Any = None
+    dims: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class ComponentSpec:
     bounds: dict[str, int] | None = None
     attention_windows: dict[str, int] = field(default_factory=dict)
     pipeline: str = ""
+    shape_relations: list[dict[str, Any]] = field(default_factory=list)  # see hfexport.targets.shape_relations
 
     @property
     def fed(self) -> list[InputSpec]:
@@ -79,7 +83,13 @@ class ComponentSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ComponentSpec:
         inputs = [
-            InputSpec(**{**i, "dynamic": {int(axis): r for axis, r in i.get("dynamic", {}).items()}})
+            InputSpec(
+                **{
+                    **i,
+                    "dynamic": {int(axis): r for axis, r in i.get("dynamic", {}).items()},
+                    "dims": {int(axis): d for axis, d in i.get("dims", {}).items()},
+                }
+            )
             for i in data["inputs"]
         ]
         return cls(**{**data, "inputs": inputs, "outputs": [OutputSpec(**o) for o in data["outputs"]]})
@@ -172,6 +182,7 @@ def program_inputs(
                 shape=[row.size for row in rows],
                 dynamic={row.axis: [row.min, row.max] for row in rows if row.dynamic},
                 written=is_written,
+                dims={row.axis: row.dim for row in rows if row.dynamic and row.dim},
             )
         )
     return specs
@@ -202,5 +213,11 @@ def captured_facts(captured: Captured | None) -> dict[str, Any]:
     """The :class:`ComponentSpec` fields that come from the capture."""
     if captured is None:
         return {}
+    from hfexport.targets.shape_relations import shape_relations
+
     bounds = captured.bounds.counts() if captured.bounds else None
-    return {"bounds": bounds, "attention_windows": dict(captured.attention_windows)}
+    return {
+        "bounds": bounds,
+        "attention_windows": dict(captured.attention_windows),
+        "shape_relations": shape_relations(captured.program),
+    }

@@ -6,7 +6,9 @@ paths (``cache.layers.0.keys``) and matched by name against the component's
 unknown input, a dtype other than the exported one, a wrong rank, a size other than the exported one
 on a static axis, or a size outside a dynamic axis's exported range (below its minimum, such as an
 empty sequence, or above its maximum) is an :class:`~hfexport.HfExportError` naming the input and
-the axis, before the runtime sees it.
+the axis, before the runtime sees it, as is a pair of axes that share one dimension of the program
+(``input_ids`` and ``attention_mask`` along the sequence) with different sizes, or sizes that break
+a relation torch.export recorded between them (:mod:`hfexport.targets.shape_relations`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.utils._pytree as pytree
 from hfexport.errors import HfExportError
 from hfexport.pipeline.io_names import path_name
 from hfexport.targets.manifest import ComponentSpec, InputSpec
+from hfexport.targets.shape_relations import check_shape_relations
 
 
 def flat_inputs(inputs: Any) -> dict[str, Any]:
@@ -72,6 +75,9 @@ class Runner:
             value = flat[spec.path]
             check_input(spec, value)
             ordered.append((spec, value))
+        check_shared_dims(ordered)
+        shapes = {spec.path: tuple(getattr(value, "shape", ())) for spec, value in ordered}
+        check_shape_relations(self.spec.shape_relations, shapes)
         return ordered
 
 
@@ -112,3 +118,25 @@ def check_input(spec: InputSpec, value: Any) -> None:
                 f"input {spec.name!r} axis {axis} has size {size}, above the exported upper bound {high} "
                 "(raise the bound (Dim max, or ExecutorchConfig max_seq_len / max_batch_size) and export again)"
             )
+
+
+def check_shared_dims(inputs: list[tuple[InputSpec, Any]]) -> None:
+    """Raise :class:`HfExportError` if two axes the program sizes by one expression (the sequence
+    length of ``input_ids`` and ``attention_mask``) have different sizes."""
+    seen: dict[str, tuple[str, int, int]] = {}
+    for spec, value in inputs:
+        shape = tuple(getattr(value, "shape", ()))
+        for axis, dim in spec.dims.items():
+            if axis >= len(shape):
+                continue
+            size = int(shape[axis])
+            if dim not in seen:
+                seen[dim] = (spec.name, axis, size)
+                continue
+            first, first_axis, first_size = seen[dim]
+            if size != first_size:
+                raise HfExportError(
+                    f"input {spec.name!r} axis {axis} has size {size}, but input {first!r} axis {first_axis} has "
+                    f"size {first_size}: the program gives both axes one size (they share one dimension, {dim}); "
+                    "make them agree"
+                )

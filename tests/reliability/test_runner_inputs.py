@@ -1,17 +1,18 @@
 """Issue 12, class 7: every target's runner checks inputs by name before execution (missing,
-unknown, dtype, rank, static sizes, lower and upper bounds) and names the input."""
+unknown, dtype, rank, static sizes, lower and upper bounds, axes sharing one dimension) and names
+the input."""
 
 import pytest
 import torch
 from models import build, sample_inputs
 
-from hfexport import DynamoConfig, ExportFolder, HfExportError, OnnxConfig, run_targets, save_export
+from hfexport import DynamoConfig, ExecutorchConfig, ExportFolder, HfExportError, OnnxConfig, run_targets, save_export
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     model = build("tiny-llama")
-    configs = [DynamoConfig(dynamic=True), OnnxConfig(dynamic=True)]
+    configs = [DynamoConfig(dynamic=True), OnnxConfig(dynamic=True), ExecutorchConfig(dynamic=True)]
     results = run_targets(model, sample_inputs(model), configs)
     found = {}
     for fmt, result in results.items():
@@ -33,10 +34,15 @@ def mistakes(inputs):
             "'input_ids' axis 1 has size 0, below the exported minimum 1 \\(an empty input\\)",
         ),
         ({**inputs, "input_ids": ids[0]}, "'input_ids' has rank 1, the program expects 2"),
+        (
+            {**inputs, "attention_mask": mask[:, :4]},
+            "break a size relation the program was exported with: .*input_ids.shape\\[1\\] = 5, "
+            "attention_mask.shape\\[1\\] = 4",
+        ),
     ]
 
 
-@pytest.mark.parametrize("target", ["dynamo", "onnx"])
+@pytest.mark.parametrize("target", ["dynamo", "onnx", "executorch"])
 def test_each_bad_input_is_named_before_the_runtime_runs(folders, target):
     model = build("tiny-llama")
     inputs = sample_inputs(model, 2, 5)
@@ -51,3 +57,21 @@ def test_each_bad_input_is_named_before_the_runtime_runs(folders, target):
             expected = model(**good).logits
         got = torch.as_tensor(runner.run(good)[0])
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    # a strided view (a slice of a longer mask) runs like its contiguous copy
+    sliced = {**good, "attention_mask": torch.ones(3, 10, dtype=torch.long)[:, ::2]}
+    assert not sliced["attention_mask"].is_contiguous()
+    torch.testing.assert_close(torch.as_tensor(runner.run(sliced)[0]), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("raw", "meaning"),
+    [
+        ("method->execute() failed with error 0x12", "method->execute() failed with error 0x12: an invalid argument"),
+        ("Failed to load program, error: 0x:23", "Failed to load program, error: 0x:23: an invalid program"),
+        ("no code here", "no code here"),
+    ],
+)
+def test_the_executorch_runtimes_bare_codes_are_named(raw, meaning):
+    from hfexport.targets.executorch.runner import runtime_error_text
+
+    assert runtime_error_text(RuntimeError(raw)) == meaning

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,34 @@ from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
 from hfexport.targets.manifest import ComponentSpec, Manifest
 from hfexport.targets.runner import Runner
+
+# executorch/runtime/core/error.h: what the runtime's bare codes mean
+_RUNTIME_ERRORS = {
+    0x01: "an internal error",
+    0x02: "an invalid state",
+    0x10: "an operation it does not support",
+    0x11: "an operation not implemented",
+    0x12: "an invalid argument",
+    0x13: "an invalid type",
+    0x14: "a missing operator (a kernel this runtime build lacks)",
+    0x20: "something not found",
+    0x21: "a failed memory allocation",
+    0x22: "a failed file access",
+    0x23: "an invalid program",
+    0x24: "invalid external data",
+    0x25: "running out of resources",
+    0x30: "a delegate incompatible with this runtime",
+    0x31: "a failed delegate memory allocation",
+    0x32: "an invalid delegate handle",
+}
+
+
+def runtime_error_text(error: BaseException) -> str:
+    """The runtime's message with its hexadecimal error code named (``0x12``: an invalid argument)."""
+    text = str(error).strip()[:200]
+    found = re.search(r"0x:?\s*([0-9a-fA-F]+)", text)
+    meaning = _RUNTIME_ERRORS.get(int(found.group(1), 16)) if found else None
+    return f"{text}: {meaning}" if meaning else text
 
 
 class ExecutorchRunner(Runner):
@@ -36,7 +65,7 @@ class ExecutorchRunner(Runner):
         except (RuntimeError, ValueError) as error:  # the runtime's bare codes ("error: 0x23")
             where = "the program" if isinstance(data, bytes) else str(data)
             raise ArtifactError(
-                f"the ExecuTorch runtime cannot load {where} ({str(error).strip()[:200]}); the file may be "
+                f"the ExecuTorch runtime cannot load {where} ({runtime_error_text(error)}); the file may be "
                 "truncated or not a .pte program: export again"
             ) from error
         meta = self.method.metadata
@@ -47,12 +76,6 @@ class ExecutorchRunner(Runner):
                 f"({', '.join(i.name for i in spec.fed)}); export again"
             )
         super().__init__(spec)
-
-    def tensors(self, inputs: dict[str, Any]) -> list[Any]:
-        """The method's inputs, in its order, from the model's keyword inputs (checked)."""
-        values = [value for _, value in self.ordered(inputs)]
-        self.check_planned(values)
-        return values
 
     def check_planned(self, values: list[Any]) -> None:
         """Raise :class:`HfExportError` if an input exceeds the size the program planned for it."""
@@ -70,7 +93,29 @@ class ExecutorchRunner(Runner):
 
     def run(self, inputs: dict[str, Any]) -> list[Any]:
         """The program's outputs, in order (write-backs of updated inputs included)."""
-        return list(self.method.execute(self.tensors(inputs)))
+        return list(self.execute(self.tensors(inputs)))
+
+    def tensors(self, inputs: dict[str, Any]) -> list[Any]:
+        """The method's inputs, in its order, from the model's keyword inputs (checked; the runtime
+        takes contiguous tensors only)."""
+        values = [value.contiguous() if isinstance(value, torch.Tensor) else value for _, value in self.ordered(inputs)]
+        self.check_planned(values)
+        return values
+
+    def execute(self, values: list[Any]) -> Any:
+        """``method.execute`` with the runtime's failure as an :class:`~hfexport.HfExportError`."""
+        try:
+            return self.method.execute(values)
+        except RuntimeError as error:
+            shapes = ", ".join(
+                f"{spec.name} {tuple(getattr(value, 'shape', ()))}"
+                for spec, value in zip(self.spec.fed, values, strict=False)
+            )
+            raise HfExportError(
+                f"the ExecuTorch runtime failed running the program ({runtime_error_text(error)}) on inputs "
+                f"{shapes}; they passed the checks against the manifest, so the program may need other sizes "
+                "than its sample's: export again from a sample of this shape, or rerun with --debug"
+            ) from error
 
 
 def _spec_of(source: Any) -> ComponentSpec:
@@ -138,7 +183,7 @@ class ExecutorchDecoder(StaticCacheDecoder):
                     f"the decode program takes an input {spec.name!r} this decode loop does not provide"
                 )
         self.runner.check_planned(values)
-        outputs = self.runner.method.execute(values)
+        outputs = self.runner.execute(values)
         for path, index in self.written_at.items():
             self.cache[path] = outputs[index]
         return outputs[self.logits_index]

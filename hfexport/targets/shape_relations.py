@@ -1,0 +1,117 @@
+"""Relations between input sizes that an exported program holds (``input_ids`` no longer than
+``attention_mask``), read off torch.export's guards at export time and checked by every runner.
+
+torch.export keeps these as Python source (``ExportedProgram._guards_code``) that its own
+``module()`` executes; an ONNX or ExecuTorch runtime has no such check and fails deep inside a
+kernel (ONNX Runtime's "GatherND ... invalid index") or returns garbage. hfexport records each
+guard over input sizes as a small arithmetic expression and evaluates it with its own
+interpreter, so a manifest can never make a runner execute code.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from hfexport.errors import HfExportError
+from hfexport.pipeline.io_names import path_name
+
+_SIZE = re.compile(r"L((?:\['[^']*'\]|\[\d+\]|\.\w+)+)\.size\(\)\[(\d+)\]")
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+_COMPARE = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+}
+
+
+def shape_relations(program: torch.export.ExportedProgram) -> list[dict[str, Any]]:
+    """``[{"expr": "a0 + ((-1)*a1) <= 0", "axes": {"a0": [path, axis], …}}]``: the program's guards
+    that involve the sizes of two or more inputs and nothing else (a guard on one axis is its
+    range, which the input specs already hold)."""
+    _, kwargs = program.example_inputs or ((), {})
+    keys = {"L" + pytree.keystr(path): path_name(path) for path, _ in pytree.tree_flatten_with_path(kwargs)[0]}
+    found = []
+    for guard in getattr(program, "_guards_code", None) or ():
+        axes: dict[str, list[Any]] = {}
+
+        def name_axis(match: re.Match[str], axes: dict[str, list[Any]] = axes) -> str:
+            path = keys.get("L" + match.group(1))
+            if path is None:
+                return match.group(0)  # not an input the manifest knows: the guard stays unparsable
+            entry = [path, int(match.group(2))]
+            for name, known in axes.items():
+                if known == entry:
+                    return name
+            axes[f"a{len(axes)}"] = entry
+            return f"a{len(axes) - 1}"
+
+        expr = _SIZE.sub(name_axis, guard)
+        if len({path for path, _ in axes.values()}) < 2:
+            continue
+        try:
+            _evaluate(ast.parse(expr, mode="eval").body, dict.fromkeys(axes, 1))
+        except (SyntaxError, ValueError, ArithmeticError):
+            continue  # a guard hfexport cannot read (strides, values): the runtime is left to check it
+        found.append({"expr": expr, "axes": axes})
+    return found
+
+
+def check_shape_relations(relations: list[dict[str, Any]], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Raise :class:`HfExportError` naming the inputs if ``shapes`` (``{path: shape}``) break one of
+    ``relations``."""
+    for relation in relations:
+        sizes = {}
+        for name, (path, axis) in relation["axes"].items():
+            shape = shapes.get(path)
+            if shape is None or axis >= len(shape):
+                break
+            sizes[name] = int(shape[axis])
+        else:
+            try:
+                holds = _evaluate(ast.parse(relation["expr"], mode="eval").body, sizes)
+            except (SyntaxError, ValueError, ArithmeticError):
+                continue
+            if not holds:
+                readable = relation["expr"]
+                for name in sorted(relation["axes"], key=len, reverse=True):
+                    path, axis = relation["axes"][name]
+                    readable = re.sub(rf"\b{name}\b", f"{path}.shape[{axis}]", readable)
+                values = ", ".join(f"{path}.shape[{axis}] = {sizes[n]}" for n, (path, axis) in relation["axes"].items())
+                raise HfExportError(
+                    f"the inputs break a size relation the program was exported with: {readable} does not hold "
+                    f"for {values}; give inputs whose sizes agree as in the export sample"
+                )
+
+
+def _evaluate(node: ast.AST, sizes: dict[str, int]) -> Any:
+    """Integer arithmetic, comparisons and ``and``/``or`` over named sizes; anything else is a
+    ValueError (the expression comes from a file: nothing in it is executed)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in sizes:
+        return sizes[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand, sizes)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        return _BINARY[type(node.op)](_evaluate(node.left, sizes), _evaluate(node.right, sizes))
+    if isinstance(node, ast.BoolOp):
+        values = [_evaluate(value, sizes) for value in node.values]
+        return all(values) if isinstance(node.op, ast.And) else any(values)
+    if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
+        left = _evaluate(node.left, sizes)
+        for op, comparator in zip(node.ops, node.comparators, strict=True):
+            right = _evaluate(comparator, sizes)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+    raise ValueError(f"unsupported expression: {ast.dump(node)[:80]}")
