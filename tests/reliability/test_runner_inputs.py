@@ -75,3 +75,19 @@ def test_the_executorch_runtimes_bare_codes_are_named(raw, meaning):
     from hfexport.targets.executorch.runner import runtime_error_text
 
     assert runtime_error_text(RuntimeError(raw)) == meaning
+
+
+def test_axes_exported_with_one_dim_must_agree(tmp_path):
+    model = build("tiny-llama")
+    seq = torch.export.Dim("seq", min=2, max=32)
+    config = OnnxConfig(dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: seq}})
+    save_export(tmp_path, {"model": run_targets(model, sample_inputs(model, 2, 5), [config])["onnx"]})
+    runner = ExportFolder(tmp_path).runner()
+    inputs = sample_inputs(model, 2, 6)
+    with pytest.raises(
+        HfExportError, match="'attention_mask' axis 1 has size 4, but input 'input_ids' axis 1 has size 6"
+    ):
+        runner.run({**inputs, "attention_mask": inputs["attention_mask"][:, :4]})
+    torch.testing.assert_close(
+        torch.as_tensor(runner.run(inputs)[0]), model(**inputs).logits.detach(), atol=1e-4, rtol=0
+    )
