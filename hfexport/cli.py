@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hfexport.errors import HfExportError
+from hfexport.errors import ConfigError, HfExportError
 from hfexport.targets import target_names
 from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
 
@@ -223,6 +223,36 @@ TRUST_HELP = (
 )
 
 
+IMPORT_HELP = (
+    "a Python module (dotted name) or .py file to import first, for the passes it registers with "
+    "hfexport.register_pass (repeatable; its top level runs)"
+)
+
+
+def import_modules(specs: list[str]) -> None:
+    """Import each of ``specs`` (a dotted module name or a ``.py`` path), so the passes they
+    register can be named in ``--passes``."""
+    import importlib
+    import importlib.util
+
+    for spec in specs:
+        try:
+            if spec.endswith(".py"):
+                path = Path(spec)
+                if not path.is_file():
+                    raise ConfigError(f"--import {spec}: no such file")
+                found = importlib.util.spec_from_file_location(path.stem, path)
+                module = importlib.util.module_from_spec(found)
+                sys.modules[path.stem] = module
+                found.loader.exec_module(module)
+            else:
+                importlib.import_module(spec)
+        except ConfigError:
+            raise
+        except Exception as error:
+            raise ConfigError(f"--import {spec} failed: {type(error).__name__}: {error}") from error
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer of at least 1."""
     try:
@@ -260,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--dynamic", action="store_true", help="mark every input axis dynamic")
     export.add_argument("--passes", help="comma-separated FX pass list replacing the backend default ('' for none)")
+    export.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE", help=IMPORT_HELP)
     export.add_argument("--dump-dir", help="write per-stage / per-pass dumps and report.md here")
     export.add_argument(
         "--overwrite",
@@ -300,11 +331,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(run=_generate)
 
     passes = commands.add_parser("passes", help="list the registered passes")
+    passes.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE", help=IMPORT_HELP)
     passes.set_defaults(run=_passes)
 
     replay = commands.add_parser("replay", help="run passes on a saved .pt2 (e.g. a failing pass's dumped input)")
     replay.add_argument("program", help="a .pt2 file")
     replay.add_argument("--passes", required=True, help="comma-separated pass names")
+    replay.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE", help=IMPORT_HELP)
     replay.add_argument("--out", help="save the resulting program here")
     replay.add_argument("--applied", help="comma-separated passes that already ran on the program (for error messages)")
     replay.add_argument("--trust-artifact", action="store_true", help=TRUST_HELP)
@@ -319,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         with quiet_loggers(*TORCHAO_LOGGERS), Interrupts.recorded():  # torchao: imported by transformers
+            import_modules(getattr(args, "imports", []))
             return args.run(args)
     except (HfExportError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
         if args.debug:

@@ -25,6 +25,7 @@ import torch
 
 from hfexport.errors import PassError, VerificationError
 from hfexport.pipeline.artifacts import artifact_kind, flat_tensors, node_count
+from hfexport.pipeline.pass_manager import defining_file
 
 if TYPE_CHECKING:
     from hfexport.pipeline.pipeline import PipelineRun
@@ -338,10 +339,20 @@ class DumpInstrument(Instrument):
             path = folder / f"input{kind.suffix}"
             kind.save(self._pass_input, path)
             applied = [child.name for child in step.parent.children[: step.index]] if step.parent else []
-            command = f"hfexport replay {path} --passes {step.name}" + (
-                f" --applied {','.join(applied)}" if applied else ""
+            source = defining_file(step.name)
+            command = (
+                "hfexport replay"
+                + (f" --import {source}" if source else "")
+                + f" {path} --passes {step.name}"
+                + (f" --applied {','.join(applied)}" if applied else "")
             )
-            (folder / "repro.txt").write_text(command + "\n")
+            why = (
+                f"# {step.name!r} is not one of hfexport's passes: --import loads {source}, which registers it "
+                "(its top level runs; keep a script's own work under `if __name__ == '__main__':`)\n"
+                if source
+                else ""
+            )
+            (folder / "repro.txt").write_text(why + command + "\n")
             if isinstance(error, PassError):
                 error.add_note(f"the pass's input is dumped at {path}; replay just this pass with: {command}")
 

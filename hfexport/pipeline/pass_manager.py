@@ -125,6 +125,20 @@ def _is_builtin(pass_: Pass) -> bool:
     return getattr(_implementation(pass_), "__module__", "").startswith("hfexport.")
 
 
+def defining_file(name: str) -> str | None:
+    """The source file of the registered pass ``name`` when it is not hfexport's own (``None`` for
+    a built-in or an unknown name): what ``hfexport replay --import`` must load to find it."""
+    import inspect
+
+    pass_ = _REGISTRY.get(name)
+    if pass_ is None or _is_builtin(pass_):
+        return None
+    try:
+        return inspect.getsourcefile(_implementation(pass_))
+    except TypeError:
+        return None
+
+
 def get_pass(name: str, *, missing_ok: bool = False) -> Pass | None:
     """The registered pass called ``name``; unknown names raise :class:`ConfigError` listing the
     registered ones."""

@@ -87,3 +87,40 @@ def test_a_user_pass_cannot_take_a_built_in_name():
     from hfexport import get_pass
 
     assert get_pass("dead_code_elimination").fn.__module__.startswith("hfexport.")
+
+
+USER_PASSES = """
+from hfexport import register_pass
+
+
+@register_pass(name="user_explodes")
+def user_explodes(program):
+    raise RuntimeError("boom from the user's module")
+"""
+
+
+def test_the_reproducer_of_a_user_pass_says_how_to_load_it_and_replays_in_a_new_process(tmp_path):
+    import shlex
+    import subprocess
+    import sys
+
+    module = tmp_path / "my_passes.py"
+    module.write_text(USER_PASSES)
+    dumps, out = tmp_path / "dumps", tmp_path / "out"
+    hfexport = [sys.executable, "-m", "hfexport.cli"]
+    export = [*hfexport, "export", "tiny-llama", "--import", str(module), "--passes", "user_explodes"]
+    failed = subprocess.run([*export, "--dump-dir", str(dumps), "--out", str(out)], capture_output=True, text=True)
+    assert failed.returncode == 2 and "boom from the user's module" in failed.stderr, failed.stderr[-2000:]
+    comment, command = (dumps / "01_fx_passes" / "00_user_explodes" / "repro.txt").read_text().splitlines()
+    assert f"--import loads {module}" in comment
+    replayed = subprocess.run([*hfexport, *shlex.split(command)[1:]], capture_output=True, text=True)
+    assert replayed.returncode == 2, replayed.stderr[-2000:]
+    assert "pass 'user_explodes'" in replayed.stderr and "boom from the user's module" in replayed.stderr
+    assert "Traceback" not in replayed.stderr
+
+
+def test_an_import_that_fails_is_one_clear_error(tmp_path, capsys):
+    from hfexport.cli import main
+
+    assert main(["passes", "--import", "no_such_module_here"]) == 2
+    assert "--import no_such_module_here failed: ModuleNotFoundError" in capsys.readouterr().err
