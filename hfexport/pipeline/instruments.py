@@ -63,7 +63,9 @@ class StepRecord:
 
 
 class Instrument:
-    """Base class: every hook is a no-op."""
+    """Base class: every hook is a no-op. ``role`` names what ``start`` does, for an error there."""
+
+    role: str = "an instrument's setup"
 
     def start(self, run: PipelineRun) -> None: ...
 
@@ -213,6 +215,8 @@ class NumericsInstrument(Instrument):
     After a quantization pass (one reporting :data:`QUANTIZED_WEIGHTS`), the logits must have a
     cosine similarity of at least :data:`MIN_QUANTIZED_COSINE`; the figures go to the report."""
 
+    role = "the eager reference run (verify)"
+
     def __init__(self, tolerance: float | None = None, each_pass: bool = False) -> None:
         self.tolerance = tolerance
         self.each_pass = each_pass
@@ -284,6 +288,8 @@ class DumpInstrument(Instrument):
     for it, such as ONNX models), ``pipeline.txt`` and ``report.md``. When a
     pass fails, its folder gets ``input<suffix>`` (the program it received) and ``repro.txt``
     (the command replaying just that pass)."""
+
+    role = "preparing the dump folder"
 
     def __init__(self, dump_dir: str | Path) -> None:
         self.root = Path(dump_dir)

@@ -291,9 +291,11 @@ class Pipeline:
         )
         error: BaseException | None = None
         program = None
+        starting: Instrument | None = None
         try:
-            for instrument in self.instruments:
-                instrument.start(run)
+            for starting in self.instruments:
+                starting.start(run)
+            starting = None
             for index, stage in enumerate(self.stages):
                 record = StepRecord(stage.name, "stage", index)
                 run.records.append(record)
@@ -303,7 +305,7 @@ class Pipeline:
             raise
         except Exception as caught:
             error = caught
-            where = f"stage {run.records[-1].name!r}" if run.records else "the eager reference run (verify)"
+            where = f"stage {run.records[-1].name!r}" if run.records else getattr(starting, "role", "setup")
             raise StageError(f"{where} failed: {type(caught).__name__}: {caught}") from caught
         finally:
             for instrument in self.instruments:

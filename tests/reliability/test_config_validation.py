@@ -16,6 +16,7 @@ from hfexport import (
     ExecutorchConfig,
     ExecutorchExporter,
     PassOrderError,
+    StageError,
     register_pass,
 )
 from hfexport.pipeline.instruments import max_abs_diff
@@ -68,6 +69,15 @@ def test_a_nan_is_reported_as_nan_and_fails_verification():
     assert math.isnan(max_abs_diff(expected, [torch.tensor([1.0, float("nan")])]))
     assert max_abs_diff([torch.tensor([float("nan")])], [torch.tensor([float("nan")])]) == 0.0
     assert not max_abs_diff(expected, [torch.tensor([1.0, float("nan")])]) <= 1e-4
+
+
+def test_an_eager_failure_under_verify_names_the_eager_reference_run_not_a_stage():
+    class FailsEagerly(torch.nn.Module):
+        def forward(self, input_ids):
+            raise RuntimeError("eager forward is broken")
+
+    with pytest.raises(StageError, match="^the eager reference run \\(verify\\) failed: RuntimeError: eager forward"):
+        DynamoExporter().export(FailsEagerly(), {"input_ids": torch.ones(1, 3)}, DynamoConfig(verify=True))
 
 
 def test_a_pass_listed_twice_is_refused():
