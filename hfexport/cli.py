@@ -357,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     except (HfExportError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
         if args.debug:
             raise
-        print(f"hfexport: error: {error}", file=sys.stderr)
+        # one line: torch's text that some messages carry (a capture failure's suggestions) is in
+        # the --debug output
+        lines = str(error).strip().splitlines() or [""]
+        more = " (rerun with --debug for the full message)" if len(lines) > 1 else ""
+        print(f"hfexport: error: {lines[0]}{more}", file=sys.stderr)
         for note in getattr(error, "__notes__", ()):
             print(f"hfexport: {note}", file=sys.stderr)
         return 2

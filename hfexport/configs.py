@@ -46,7 +46,10 @@ def _decode_dim(value: Any, dims: dict[str, Any] | None = None) -> Any:
             return getattr(torch.export.Dim, special[name])
         # The same name must give the same Dim object: torch.export relates axes by identity.
         if name not in dims:
-            dims[name] = torch.export.Dim(name, min=value.get("min"), max=value.get("max"))
+            low, high = value.get("min"), value.get("max")
+            if low is not None and high is not None and low > high:
+                raise ConfigError(f"dynamic_shapes Dim {name!r} has min {low} above its max {high}; swap them")
+            dims[name] = torch.export.Dim(name, min=low, max=high)
         return dims[name]
     return {int(k) if str(k).isdigit() else k: _decode_dim(v, dims) for k, v in value.items()}
 

@@ -267,6 +267,37 @@ def input_axes(program: torch.export.ExportedProgram, inputs: dict[str, Any], dy
     return table
 
 
+def check_dims_fit_sample(dynamic_shapes: Mapping[str, Any], inputs: dict[str, Any]) -> None:
+    """Each ``Dim`` given for a tensor input must name an axis it has, with the sample's size
+    within the Dim's range (torch.export's own errors say neither the input nor the axis)."""
+    for name, spec in dynamic_shapes.items():
+        value = inputs.get(name)
+        if not isinstance(value, torch.Tensor) or spec is None:
+            continue
+        if isinstance(spec, Mapping):
+            items = list(spec.items())
+        elif isinstance(spec, (list, tuple)):
+            items = list(enumerate(spec))
+        else:
+            continue
+        for axis, dim in items:
+            if not isinstance(axis, int):
+                continue
+            if not -value.dim() <= axis < value.dim():
+                raise ConfigError(
+                    f"dynamic_shapes gives input {name!r} axis {axis}, but the sample {name} has "
+                    f"{value.dim()} axes (shape {tuple(value.shape)})"
+                )
+            low, high = getattr(dim, "min", None), getattr(dim, "max", None)
+            size = value.shape[axis]
+            if (isinstance(low, int) and size < low) or (isinstance(high, int) and size > high):
+                raise ConfigError(
+                    f"input {name!r} axis {axis} has sample size {size}, outside its Dim "
+                    f"{getattr(dim, '__name__', '')!r} range [{low}, {high}]; export from a sample within "
+                    "the range or widen the Dim"
+                )
+
+
 def check_input_names(model: torch.nn.Module, inputs: dict[str, Any]) -> None:
     """Every input must be a parameter of ``forward``, unless ``forward`` takes ``**kwargs`` (see
     :func:`check_kwargs_inputs_used`): a misspelled name would otherwise fail deep in the trace."""
@@ -407,6 +438,7 @@ def capture(
                     f"inputs are: {', '.join(inputs)}"
                 )
             dynamic_shapes = {name: dynamic_shapes.get(name) for name in inputs}
+            check_dims_fit_sample(dynamic_shapes, inputs)
         if bounds is not None and dynamic_shapes is not None:
             dynamic_shapes = bound_dynamic_shapes(dynamic_shapes, bounds)
     check_input_names(model, inputs)

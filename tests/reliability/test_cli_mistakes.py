@@ -49,6 +49,15 @@ def generation_export(tmp_path_factory, saved_llama):
             ["export", "tiny-llama", "--out", "{tmp}/o", "--format", "executorch", "--config", "{tmp}/cuda.json"],
             ["CUDA"],
         ),
+        (
+            ["export", "tiny-llama", "--out", "{tmp}/o", "--config", "{tmp}/dim-min-max.json"],
+            ["min 10 above its max 2"],
+        ),
+        (
+            ["export", "tiny-llama", "--out", "{tmp}/o", "--config", "{tmp}/dim-range.json"],
+            ["'input_ids' axis 1 has sample size 8, outside its Dim 'seq' range [10, 64]"],
+        ),
+        (["export", "tiny-llama", "--out", "{tmp}/o", "--config", "{tmp}/dim-axis.json"], ["axis 5", "has 2 axes"]),
         (["export", "{tmp}/no-weights", "--out", "{tmp}/o"], ["no-weights"]),
         (["export", "{tmp}/broken-config", "--out", "{tmp}/o"], ["error"]),
         (["export", "tiny-bert", "--generation", "--out", "{tmp}/o"], ["BertModel does not generate"]),
@@ -62,6 +71,10 @@ def test_a_mistake_is_one_line(tmp_path, capsys, argv, words):
     (tmp_path / "bad.json").write_text("{not json")
     (tmp_path / "dynamic.json").write_text(json.dumps({"dynamic": "no"}))
     (tmp_path / "cuda.json").write_text(json.dumps({"backend": "cuda"}))
+    for name, dim in [("min-max", {"min": 10, "max": 2}), ("range", {"min": 10, "max": 64}), ("axis", {})]:
+        axis = "5" if name == "axis" else "1"
+        shapes = {"dynamic_shapes": {"input_ids": {axis: {"dim": "seq", **dim}}}}
+        (tmp_path / f"dim-{name}.json").write_text(json.dumps(shapes))
     (tmp_path / "file.txt").write_text("mine")
     (tmp_path / "no-weights").mkdir()
     build("tiny-llama").config.save_pretrained(tmp_path / "no-weights")
