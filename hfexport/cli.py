@@ -42,6 +42,14 @@ def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
         if args.passes is not None:
             values["passes"] = args.passes
         if args.quantize:
+            from hfexport.targets import Target, get_target
+
+            config_class = Target.load_class(get_target(export_format).config_class)
+            if "quantize" not in config_class.field_names():
+                raise ConfigError(
+                    f"--quantize does not apply to --format {export_format} (it keeps the model's weights as they "
+                    "are); quantize with --format onnx or executorch"
+                )
             values["quantize"] = args.quantize
         if args.dump_dir:
             values["dump_dir"] = args.dump_dir if len(formats) == 1 else str(Path(args.dump_dir) / export_format)
