@@ -182,6 +182,8 @@ def _export(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from hfexport.generation import load
 
+    if args.chat and args.prompt_ids is not None:
+        raise ConfigError("--chat applies a chat template to --prompt text; token ids are taken as given")
     generator = load(args.export_dir, trust=args.trust_artifact)
     if args.prompt_ids is not None:
         try:
