@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hfexport.errors import UnsupportedModelError
+from hfexport.errors import ConfigError, UnsupportedModelError
 from hfexport.models.caches import register_cache_pytrees
 from hfexport.models.static_layers import attention_windows
 from hfexport.pipeline.capture import Frontend, as_input_dict
@@ -54,6 +54,50 @@ def check_attention_implementation(model: torch.nn.Module) -> None:
         )
 
 
+# inputs holding token ids: looked up in an embedding table
+_ID_INPUTS = ("input_ids", "decoder_input_ids")
+
+
+def check_sample_tensors(model: torch.nn.Module, inputs: dict[str, Any]) -> None:
+    """Refuse, naming the input, a sample the model could not run: a top-level input that is a
+    NumPy array or a list instead of a tensor; token ids that are not integers, are empty, or lie
+    outside the embedding table (a tracer does not look at values, so such a sample would be
+    captured and give a program that fails or reads garbage on the same ids)."""
+    for name, value in inputs.items():
+        if type(value).__module__ == "numpy" or (isinstance(value, (list, tuple)) and name in _ID_INPUTS):
+            raise ConfigError(
+                f"input {name!r} is a {type(value).__name__}; pass a torch tensor (torch.as_tensor(value))"
+            )
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    table = getattr(embeddings, "num_embeddings", None)
+    config = getattr(model, "config", None)
+    special = {
+        value
+        for key, value in (vars(config).items() if config is not None else ())
+        if key.endswith(("_token_id", "_token_index")) and isinstance(value, int)
+    }  # multimodal placeholders (image_token_id) replaced before the lookup
+    for name in _ID_INPUTS:
+        value = inputs.get(name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ConfigError(
+                f"input {name!r} holds token ids but has dtype {str(value.dtype).removeprefix('torch.')}; "
+                "pass integer ids (tensor.long())"
+            )
+        if value.numel() == 0:
+            raise ConfigError(f"input {name!r} is empty (shape {tuple(value.shape)}); export from a non-empty sample")
+        if table is None or name != "input_ids":
+            continue
+        outside = value[(value < 0) | (value >= table)]
+        outside = sorted({int(v) for v in outside.unique().tolist()} - special)
+        if outside:
+            raise ConfigError(
+                f"input {name!r} holds id(s) {outside[:5]} outside the embedding table (0 to {table - 1}); "
+                "a sample must hold ids the model can look up"
+            )
+
+
 class TransformersFrontend(Frontend):
     """:class:`~hfexport.pipeline.capture.Frontend` for transformers models."""
 
@@ -61,7 +105,9 @@ class TransformersFrontend(Frontend):
         check_attention_implementation(model)
         # before anything flattens a model input or output (the eager reference included)
         register_cache_pytrees()
-        return normalize_inputs(inputs, model)
+        normalized = normalize_inputs(inputs, model)
+        check_sample_tensors(model, normalized)
+        return normalized
 
     def static_axes(self, model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, set[int]]:
         """Axes the model or its cache fixes:

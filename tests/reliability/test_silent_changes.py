@@ -113,3 +113,24 @@ def test_an_input_that_is_no_parameter_of_forward_is_refused_before_tracing():
 
     with pytest.raises(ConfigError, match="Plain.forward has no parameter 'input_id'.*forward takes: input_ids"):
         DynamoExporter().export(Plain(), {"input_id": torch.ones(1, 3)})
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (
+            torch.tensor([[1, 500, 3]]),
+            "'input_ids' holds id\\(s\\) \\[500\\] outside the embedding table \\(0 to 127\\)",
+        ),
+        (torch.tensor([[1, -1, 3]]), "'input_ids' holds id\\(s\\) \\[-1\\] outside the embedding table"),
+        (torch.tensor([[1.0, 2.0]]), "'input_ids' holds token ids but has dtype float32; pass integer ids"),
+        (torch.zeros(1, 0, dtype=torch.long), "'input_ids' is empty \\(shape \\(1, 0\\)\\)"),
+        ([[1, 2, 3]], "'input_ids' is a list; pass a torch tensor"),
+        (np.array([[1, 2, 3]]), "'input_ids' is a ndarray; pass a torch tensor"),
+    ],
+)
+def test_a_sample_the_model_cannot_run_is_refused_before_tracing(ids, message):
+    # a tracer never looks at values: ids outside the table would be captured without a word
+    model = build("tiny-llama")
+    with pytest.raises(ConfigError, match=message):
+        DynamoExporter().export(model, {"input_ids": ids})
