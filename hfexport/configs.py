@@ -294,6 +294,12 @@ class ExecutorchConfig(DynamoConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"ExecutorchConfig {name} must be at least 1, got {value}")
+        if self.quantize in ("8da4w", "int4") and self.quantize_group_size % 32:
+            # executorch/backends/xnnpack/operators/node_visitor.py asserts it at delegation
+            raise ConfigError(
+                "ExecutorchConfig quantize_group_size must be a multiple of 32 for 4-bit weights (XNNPACK's "
+                f"kernels take such groups), got {self.quantize_group_size}"
+            )
         if self.backend not in EXECUTORCH_BACKENDS:
             raise ConfigError(
                 f"unknown ExecuTorch backend {self.backend!r}; valid backends: {', '.join(EXECUTORCH_BACKENDS)}"

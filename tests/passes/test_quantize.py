@@ -147,6 +147,13 @@ def test_torchao_quantization_pass_replaces_fp32_linear_weights(name, tied):
     assert kept == {"model.embed_tokens.weight", *(["lm_head.weight"] if tied else [])}
     int8 = [key for key, t in program.constants.items() if key.endswith("_qdata")]
     assert len(int8) == LINEAR_LAYERS and all(program.constants[k].dtype == torch.int8 for k in int8)
+    if name.startswith("int4"):
+        # 4-bit values, except the output projection and the MLP down projections: int8 per channel
+        wide = {k for k in int8 if int(program.constants[k].abs().max()) > 8}
+        assert wide == {"lm_head.weight_qdata", *(f"model.layers.{i}.mlp.down_proj.weight_qdata" for i in (0, 1))}
+        assert all(
+            int(program.constants[k].min()) >= -8 and int(program.constants[k].max()) <= 7 for k in set(int8) - wide
+        )
     inputs = sample_inputs(model, 3, 11, seed=3)  # the program runs eagerly too, at another shape
     assert cosine(program.module()(**inputs).logits, eager(model, inputs).logits) >= 0.98
 
@@ -154,6 +161,8 @@ def test_torchao_quantization_pass_replaces_fp32_linear_weights(name, tied):
 def test_executorch_quantize_modes_are_checked_when_the_config_is_built():
     with pytest.raises(ConfigError, match="quantize must be None, '8da4w' .* got 'int3'"):
         ExecutorchConfig(quantize="int3")
+    with pytest.raises(ConfigError, match="quantize_group_size must be a multiple of 32 .* got 16"):
+        ExecutorchConfig(quantize="8da4w", quantize_group_size=16)
     assert ExecutorchExporter().pass_list(ExecutorchConfig(quantize="int4"))[-1].name == "int4_weights_int8_activations"
     assert (
         ExecutorchExporter().pass_list(ExecutorchConfig(quantize="8da8w"))[-1].name == "int8_weights_int8_activations"
