@@ -10,6 +10,9 @@ quantization primitives:
 - ``int8_weights_int8_activations`` ("8da8w"): int8 weights per output channel, the same
   activations.
 
+The 4-bit modes keep the layers 4 bits hurt most at 8 bits (the output projection and the MLP
+down projections: :func:`sensitive_linears`; ``int8_sensitive=False`` quantizes every one to 4).
+
 Both rewrite ``aten.linear`` into the torchao pattern XNNPACK delegates as one dynamically
 quantized linear (``choose_qparams_affine`` → ``quantize_affine`` → ``dequantize_affine`` on the
 input, ``dequantize_affine`` of the int8 weight constant), and drop the fp32 weights nothing else
@@ -274,30 +277,70 @@ class OnnxInt4Weights(Pass):
     stage = "onnx_passes"
     runs_after = ("onnx_optimizer",)
 
-    def __init__(self, group_size: int = 32, accuracy_level: int = 4, symmetric: bool = False) -> None:
+    def __init__(
+        self, group_size: int = 32, accuracy_level: int = 4, symmetric: bool = False, int8_sensitive: bool = True
+    ) -> None:
         if group_size < 16 or group_size & (group_size - 1):
             raise ConfigError(f"int4 group_size must be a power of two of at least 16, got {group_size}")
         self.group_size = group_size
         self.accuracy_level = accuracy_level
         self.symmetric = symmetric
+        self.int8_sensitive = int8_sensitive
 
     def __call__(self, program: Any) -> PassResult:
         with quiet_loggers():
             from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         before = _proto(program)
-        quantizer = MatMulNBitsQuantizer(
-            _proto(program),
-            bits=4,
-            block_size=self.group_size,
-            is_symmetric=self.symmetric,
-            accuracy_level=self.accuracy_level,
-        )
-        with quiet_loggers():
-            quantizer.process()
-        after = quantizer.model.model
-        counts = _counts(before, after, ("MatMulNBits",))
-        return PassResult(_program(after, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
+        model = _proto(program)
+        matmuls = _weight_matmuls(model)
+        # the same layers as 8da4w keeps at int8 (see sensitive_linears): 8-bit MatMulNBits first,
+        # every other MatMul excluded; then 4 bits for the rest
+        kept = _sensitive_matmuls(model, matmuls) if self.int8_sensitive else set()
+        for bits, excluded in ((8, set(matmuls) - kept), (4, set())):
+            if bits == 8 and not kept:
+                continue
+            quantizer = MatMulNBitsQuantizer(
+                model,
+                bits=bits,
+                block_size=self.group_size,
+                is_symmetric=self.symmetric,
+                accuracy_level=self.accuracy_level,
+                nodes_to_exclude=sorted(excluded),
+            )
+            with quiet_loggers():
+                quantizer.process()
+            model = quantizer.model.model
+        counts = _counts(before, model, ("MatMulNBits",))
+        if self.int8_sensitive:
+            counts["int8_weights_kept"] = len(kept)
+        return PassResult(_program(model, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
+
+
+def _weight_matmuls(model: Any) -> dict[str, list[int]]:
+    """``{node name: weight shape [in, out]}`` of the top graph's MatMuls with a constant weight."""
+    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    return {
+        node.name: shapes[node.input[1]]
+        for node in model.graph.node
+        if node.op_type == "MatMul" and len(node.input) == 2 and len(shapes.get(node.input[1], ())) == 2
+    }
+
+
+def _sensitive_matmuls(model: Any, matmuls: dict[str, list[int]]) -> set[str]:
+    """The ONNX form of :func:`sensitive_linears`: the MatMul producing a graph output (the
+    logits) and the MatMuls with the widest input."""
+    if not matmuls:
+        return set()
+    outputs = {o.name for o in model.graph.output}
+    widest = max(shape[0] for shape in matmuls.values())
+    narrowest = min(shape[0] for shape in matmuls.values())
+    return {
+        node.name
+        for node in model.graph.node
+        if node.name in matmuls
+        and (node.output[0] in outputs or (widest > narrowest and matmuls[node.name][0] == widest))
+    }
 
 
 class OnnxInt8Dynamic(Pass):

@@ -40,6 +40,9 @@ def test_onnx_quantization_pass_quantizes_every_linear_layer(mode, op, min_cosin
     assert record.counts["weight_kib_after"] < record.counts["weight_kib_before"]
     histogram = {node.op_type for node in result.program.model.graph}
     assert op in histogram
+    if mode == "int4":  # the logits' and the MLP down projections' MatMuls keep 8 bits
+        bits = sorted(node.attributes["bits"].as_int() for node in result.program.model.graph if node.op_type == op)
+        assert bits == [4] * (LINEAR_LAYERS - 3) + [8] * 3 and record.counts["int8_weights_kept"] == 3
     # verify checked the logits by cosine similarity, and the report says what it measured
     assert "quantized: logit cosine" in result.report and "top-1 agreement" in result.report
     save_export(tmp_path, {"model": result})
