@@ -50,6 +50,24 @@ def test_onnx_quantization_pass_quantizes_every_linear_layer(mode, op, min_cosin
     assert cosine(ExportFolder(tmp_path).runner().run(inputs)[0], eager(model, inputs).logits) >= min_cosine
 
 
+@pytest.mark.parametrize(("mode", "op"), [("int4", "MatMulNBits"), ("int8", "MatMulInteger")])
+def test_a_weight_read_through_a_transpose_is_quantized_too(mode, op):
+    # without the optimizer every linear reads its weight through a Transpose, and a tied output
+    # projection always does (SmolLM2's table is too large for the optimizer to fold a transposed
+    # copy): each gets its own transposed weight, so the quantizer takes it
+    model = build("tiny-llama", tie_word_embeddings=True)
+    config = OnnxConfig(dynamic=True, verify=True, quantize=mode, optimize=False)
+    result = OnnxExporter().run(model, sample_inputs(model), config)
+    (record,) = [p for s in result.records for p in s.children if p.name.startswith("onnx_int")]
+    assert record.counts[QUANTIZED_WEIGHTS] == LINEAR_LAYERS == record.counts["untied_weights"]
+    graph = result.program.model.graph
+    weights = [
+        node.inputs[1].name for node in graph if node.op_type == "MatMul" and node.inputs[1].const_value is not None
+    ]
+    assert weights == [] and sum(node.op_type == op for node in graph) == LINEAR_LAYERS
+    assert "quantized: logit cosine" in result.report
+
+
 class ZeroWeights(Pass):
     """A broken 'quantization': every weight matrix becomes zeros."""
 
