@@ -77,7 +77,9 @@ def test_an_eager_failure_under_verify_names_the_eager_reference_run_not_a_stage
             raise RuntimeError("eager forward is broken")
 
     with pytest.raises(StageError, match="^the eager reference run \\(verify\\) failed: RuntimeError: eager forward"):
-        DynamoExporter().export(FailsEagerly(), {"input_ids": torch.ones(1, 3)}, DynamoConfig(verify=True))
+        DynamoExporter().export(
+            FailsEagerly(), {"input_ids": torch.ones(1, 3, dtype=torch.long)}, DynamoConfig(verify=True)
+        )
 
 
 def test_a_pass_listed_twice_is_refused():
