@@ -28,8 +28,11 @@ from hfexport.targets.manifest import (
 from hfexport.targets.runner import Runner
 from hfexport.versions import quiet_loggers
 
-# torch.load reads this variable at every call (torch/serialization.py); the lock keeps two
-# loads in two threads from restoring each other's value
+# torch.export.load tries weights_only and falls back to full unpickling on failure
+# (pytorch/pytorch#153410; its weights_only parameter, pytorch/pytorch#191149, is not in 2.13):
+# forcing weights-only loads through this variable, which torch.load reads at every call
+# (torch/serialization.py), turns the fallback into an UnpicklingError. The lock keeps two loads
+# in two threads from restoring each other's value
 _FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 _LOAD_LOCK = threading.Lock()
 
