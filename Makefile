@@ -26,11 +26,13 @@ demo: $(STAMP)
 	$(VENV)/bin/hfexport export tiny-llama --format dynamo --dynamic --verify \
 		--out $(DEMO_OUT) --dump-dir $(DEMO_OUT)/dumps
 
+# two workers, one test file each at a time (--dist loadfile: a file's module-scoped exports and
+# the session's converted checkpoints stay in one process)
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n 2 --dist loadfile
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfexport tests benchmarks

@@ -108,3 +108,13 @@ def test_debug_shows_the_traceback(tmp_path):
     command = [sys.executable, "-m", "hfexport.cli", "--debug", "generate", str(tmp_path), "--prompt-ids", "1"]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode != 0 and "Traceback" in result.stderr and "no hfexport.json" in result.stderr
+
+
+@pytest.mark.parametrize(("fmt", "artifact"), [("onnx", "decode.onnx"), ("executorch", "decode.pte")])
+def test_a_truncated_artifact_given_to_generate_is_one_line(tmp_path, capsys, saved_llama, fmt, artifact):
+    out = tmp_path / fmt
+    argv = ["export", str(saved_llama), "--format", fmt, "--generation", "--components", "decode", "--out", str(out)]
+    assert main([*argv, "--max-cache-len", "16"]) == 0
+    path = out / artifact
+    path.write_bytes(path.read_bytes()[:2048])
+    one_line_error(capsys, ["generate", out, "--prompt-ids", "5,6"], str(path), "truncated")
