@@ -91,7 +91,7 @@ class _DynamicallyQuantizedLinears(Pass):
             )
         return q.qdata, q.scale, q.zero_point, block
 
-    def _kept_at_int8(self, program: Any, linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
+    def _kept_at_int8(self, linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
         """The weights a 4-bit pass keeps at int8 per channel (none here; see
         :class:`Int4WeightsInt8Activations`)."""
         return set()
@@ -123,7 +123,7 @@ class _DynamicallyQuantizedLinears(Pass):
             if self.group_size and value.shape[1] % self.group_size:
                 continue
             linears.append((node, value))
-        kept = self._kept_at_int8(program, linears)
+        kept = self._kept_at_int8(linears)
         for node, value in linears:
             x, weight = node.args[0], node.args[1]
             dtype, group_size = (torch.int8, None) if weight.name in kept else (self.weight_dtype, self.group_size)
@@ -218,7 +218,7 @@ class Int4WeightsInt8Activations(_DynamicallyQuantizedLinears):
         super().__init__(group_size, algorithm)
         self.int8_sensitive = int8_sensitive
 
-    def _kept_at_int8(self, program: Any, linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
+    def _kept_at_int8(self, linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
         """With ``int8_sensitive`` (the default), the linears 4 bits hurt most stay int8 per
         channel: see :func:`sensitive_linears`."""
         return sensitive_linears(linears) if self.int8_sensitive else set()

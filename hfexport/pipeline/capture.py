@@ -324,10 +324,9 @@ def check_kwargs_inputs_used(
     extra = [name for name in inputs if name not in parameters]
     if not extra:
         return
+    read = {n.name for n in program.graph.nodes if n.op == "placeholder" and n.users}
     used = {
-        readable.split(".")[0]
-        for placeholder, readable in user_input_names(program).items()
-        if any(n.name == placeholder and n.users for n in program.graph.nodes if n.op == "placeholder")
+        readable.split(".")[0] for placeholder, readable in user_input_names(program).items() if placeholder in read
     }
     unused = [name for name in extra if name not in used]
     if unused:
