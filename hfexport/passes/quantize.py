@@ -21,11 +21,11 @@ uses (an embedding tied to the output projection keeps its fp32 table).
 On the ONNX model (stage ``onnx_passes``), ONNX Runtime's own quantizers, after the onnxscript
 optimizer has folded each linear layer's weight into one constant ``MatMul`` input:
 
-- ``onnx_int4_weights``: 4-bit weights in blocks of ``group_size`` along the input axis,
-  asymmetric by default (``symmetric=True`` for symmetric blocks), as
-  ``com.microsoft::MatMulNBits`` (ONNX Runtime's ``MatMulNBitsQuantizer``); with
-  ``accuracy_level=4`` the kernel quantizes activations to int8 on the fly, ONNX Runtime's fast
-  CPU path.
+- ``onnx_int4_weights``: 4-bit weights in blocks of ``group_size`` along the input axis, each
+  with a scale and a float minimum (llama.cpp's Q4_1 form, :mod:`hfexport.passes.onnx_blocks`),
+  as ``com.microsoft::MatMulNBits`` plus the minimums' term; the output projection in symmetric
+  8-bit blocks (ONNX Runtime's ``MatMulNBitsQuantizer``). With ``accuracy_level=4`` the kernel
+  quantizes activations to int8 on the fly, ONNX Runtime's fast CPU path.
 - ``onnx_int8_dynamic``: int8 weights and dynamically quantized int8 activations
   (``quantize_dynamic``: ``DynamicQuantizeLinear`` + ``MatMulInteger``).
 
@@ -259,18 +259,26 @@ def _weight_kib(proto: Any) -> float:
     return sum(numpy_helper.to_array(t).nbytes for t in proto.graph.initializer) / 2**10
 
 
-def _counts(before: Any, after: Any, op_types: tuple[str, ...]) -> dict[str, int]:
-    quantized = sum(1 for node in after.graph.node if node.op_type in op_types)
+def _before(model: Any) -> dict[str, int]:
+    """The figures of a model about to be quantized that :func:`_counts` reports beside its own."""
     return {
-        QUANTIZED_WEIGHTS: quantized,
-        "matmuls_before": sum(1 for node in before.graph.node if node.op_type == "MatMul"),
-        "weight_kib_before": round(_weight_kib(before)),
-        "weight_kib_after": round(_weight_kib(after)),
+        "matmuls_before": sum(1 for node in model.graph.node if node.op_type == "MatMul"),
+        "weight_kib_before": round(_weight_kib(model)),
     }
 
 
+def _counts(before: dict[str, int], after: Any, op_types: tuple[str, ...]) -> dict[str, int]:
+    quantized = sum(1 for node in after.graph.node if node.op_type in op_types)
+    return {QUANTIZED_WEIGHTS: quantized, **before, "weight_kib_after": round(_weight_kib(after))}
+
+
 class OnnxInt4Weights(Pass):
-    """MatMul weights to 4-bit blocks, asymmetric by default (ONNX Runtime MatMulNBits)."""
+    """MatMul weights to 4-bit blocks with a scale and a float minimum each (ONNX Runtime
+    ``MatMulNBits`` plus the minimums: :mod:`hfexport.passes.onnx_blocks`); the output projection
+    in symmetric 8-bit blocks.
+
+    ``minimums=False`` takes ONNX Runtime's own asymmetric blocks instead (an integer zero point:
+    one node per weight, less exact); ``int8_output=False`` puts the output projection in 4 bits too."""
 
     name = "onnx_int4_weights"
     description = "MatMul weights to 4-bit blocks of group_size (ONNX Runtime MatMulNBits); activations int8 on the fly"
@@ -278,46 +286,54 @@ class OnnxInt4Weights(Pass):
     runs_after = ("onnx_optimizer",)
 
     def __init__(
-        self, group_size: int = 32, accuracy_level: int = 4, symmetric: bool = False, int8_sensitive: bool = True
+        self, group_size: int = 32, accuracy_level: int = 4, minimums: bool = True, int8_output: bool = True
     ) -> None:
         if group_size < 16 or group_size & (group_size - 1):
             raise ConfigError(f"int4 group_size must be a power of two of at least 16, got {group_size}")
         self.group_size = group_size
         self.accuracy_level = accuracy_level
-        self.symmetric = symmetric
-        self.int8_sensitive = int8_sensitive
+        self.minimums = minimums
+        self.int8_output = int8_output
 
     def __call__(self, program: Any) -> PassResult:
-        with quiet_loggers():
-            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        from hfexport.passes.onnx_blocks import rewrite_with_minimum_blocks
 
-        before = _proto(program)
         model = _proto(program)
+        before = _before(model)
         untied = _untie_transposed_weights(model)
         matmuls = _weight_matmuls(model)
-        # the same layers as 8da4w keeps at int8 (see sensitive_linears): 8-bit MatMulNBits first,
-        # every other MatMul excluded; then 4 bits for the rest
-        kept = _sensitive_matmuls(model, matmuls) if self.int8_sensitive else set()
-        for bits, excluded in ((8, set(matmuls) - kept), (4, set())):
-            if bits == 8 and not kept:
-                continue
-            quantizer = MatMulNBitsQuantizer(
-                model,
-                bits=bits,
-                block_size=self.group_size,
-                is_symmetric=self.symmetric,
-                accuracy_level=self.accuracy_level,
-                nodes_to_exclude=sorted(excluded),
-            )
-            with quiet_loggers():
-                quantizer.process()
-            model = quantizer.model.model
+        kept = _output_matmuls(model, matmuls) if self.int8_output else set()
+        # symmetric 8 bits for the output projection: a tied table from a GGUF file is Q8_0, which
+        # symmetric blocks hold exactly; SmolLM2 int4, teacher-forced top-1: 87% asymmetric, 95% symmetric
+        if kept:
+            model = self._ort_blocks(model, 8, True, set(matmuls) - kept)
+        rest = set(matmuls) - kept
+        if self.minimums:
+            rewrite_with_minimum_blocks(model, rest, self.group_size, self.accuracy_level)
+        elif rest:
+            model = self._ort_blocks(model, 4, False, kept)
         counts = _counts(before, model, ("MatMulNBits",))
-        if self.int8_sensitive:
+        if self.int8_output:
             counts["int8_weights_kept"] = len(kept)
         if untied:
             counts["untied_weights"] = untied
         return PassResult(_program(model, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
+
+    def _ort_blocks(self, model: Any, bits: int, symmetric: bool, excluded: set[str]) -> Any:
+        with quiet_loggers():
+            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        quantizer = MatMulNBitsQuantizer(
+            model,
+            bits=bits,
+            block_size=self.group_size,
+            is_symmetric=symmetric,
+            accuracy_level=self.accuracy_level,
+            nodes_to_exclude=sorted(excluded),
+        )
+        with quiet_loggers():
+            quantizer.process()
+        return quantizer.model.model
 
 
 def _untie_transposed_weights(model: Any) -> int:
@@ -369,20 +385,10 @@ def _weight_matmuls(model: Any) -> dict[str, list[int]]:
     }
 
 
-def _sensitive_matmuls(model: Any, matmuls: dict[str, list[int]]) -> set[str]:
-    """The ONNX form of :func:`sensitive_linears`: the MatMul producing a graph output (the
-    logits) and the MatMuls with the widest input."""
-    if not matmuls:
-        return set()
+def _output_matmuls(model: Any, matmuls: dict[str, list[int]]) -> set[str]:
+    """The weight MatMuls producing a graph output (the logits: the output projection)."""
     outputs = {o.name for o in model.graph.output}
-    widest = max(shape[0] for shape in matmuls.values())
-    narrowest = min(shape[0] for shape in matmuls.values())
-    return {
-        node.name
-        for node in model.graph.node
-        if node.name in matmuls
-        and (node.output[0] in outputs or (widest > narrowest and matmuls[node.name][0] == widest))
-    }
+    return {node.name for node in model.graph.node if node.name in matmuls and node.output[0] in outputs}
 
 
 class OnnxInt8Dynamic(Pass):
@@ -399,8 +405,8 @@ class OnnxInt8Dynamic(Pass):
         with quiet_loggers():
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
-        before = _proto(program)
         model = _proto(program)
+        before = _before(model)
         untied = _untie_transposed_weights(model)
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "quantized.onnx"

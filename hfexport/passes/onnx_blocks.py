@@ -1,0 +1,109 @@
+"""4-bit weight blocks with a scale and a float minimum each, on ONNX Runtime's ``MatMulNBits``.
+
+Each block of ``block_size`` weights along the input axis becomes ``minimum + scale * q`` with ``q``
+in 0..15, ``scale = (max - min) / 15``: llama.cpp's Q4_1 form. Its minimum is exact, where
+``MatMulNBits``'s own asymmetric form rounds it to an integer zero point, up to half a step
+off for every weight of the block. That matters most for a checkpoint that is already Q4_1 (a
+GGUF file, like SmolLM2-135M's): its weights sit on exactly this lattice, so these blocks hold them
+without error, and integer zero points put a second rounding error of the same size on top.
+
+``MatMulNBits`` with float zero points runs a slow dequantise-then-GEMM path on CPU
+(microsoft/onnxruntime#28552), so the minimums are applied beside it instead::
+
+    y = MatMulNBits(x, q, scale)            # zero point 8: scale * (q - 8), the int8 fast path
+      + MatMul(MatMul(x, block_sums), m)    # m = minimum + 8 * scale, per block and output
+
+``block_sums`` ([K, blocks], ones over each block) sums ``x`` over each block, once per input that
+several weights share (q, k, v read one input).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+DOMAIN = "com.microsoft"
+
+
+def minimum_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``weight`` [K, N] (a MatMul's) → (packed 4-bit ``q`` [N, blocks, block_size / 2], ``scale``
+    [N, blocks], ``minimum`` [N, blocks]); ``weight ≈ minimum + scale * q`` per block."""
+    k, n = weight.shape
+    blocks = -(-k // block_size)
+    padded = np.pad(weight, ((0, blocks * block_size - k), (0, 0))) if k % block_size else weight
+    grouped = padded.T.reshape(n, blocks, block_size).astype(np.float64)
+    low, high = grouped.min(-1), grouped.max(-1)
+    scale = (high - low) / 15
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint((grouped - low[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    packed = q[..., 0::2] | (q[..., 1::2] << 4)  # two per byte, the first in the low nibble
+    return packed, scale.astype(np.float32), low.astype(np.float32)
+
+
+def rewrite_with_minimum_blocks(model: Any, names: set[str], block_size: int, accuracy_level: int) -> int:
+    """Replace each MatMul in ``names`` (top graph, constant [K, N] weight) by the form above, in
+    place, and return how many."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    initializers = {t.name: t for t in model.graph.initializer}
+    readers: dict[str, int] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    block_sums: dict[str, str] = {}  # input → its block sums
+    indicators: dict[int, str] = {}  # K → the [K, blocks] ones matrix
+    nodes, added, rewritten, weights = [], [], 0, set()
+    for node in model.graph.node:
+        if node.name not in names:
+            nodes.append(node)
+            continue
+        x, weight_name = node.input
+        weight = numpy_helper.to_array(initializers[weight_name])
+        k, n = weight.shape
+        packed, scale, low = minimum_blocks(weight, block_size)
+        blocks = packed.shape[1]
+        base = f"{weight_name}_q4m"
+        offsets = low + 8 * scale  # MatMulNBits without zero points takes 8
+        added += [
+            numpy_helper.from_array(packed, f"{base}_q"),
+            numpy_helper.from_array(scale.reshape(-1), f"{base}_scales"),
+            numpy_helper.from_array(np.ascontiguousarray(offsets.T), f"{base}_minimums"),
+        ]
+        if k not in indicators:
+            ones = (np.arange(blocks * block_size)[:k, None] // block_size == np.arange(blocks)).astype(np.float32)
+            indicators[k] = f"block_sums_{k}x{blocks}"
+            added.append(numpy_helper.from_array(ones, indicators[k]))
+        if x not in block_sums:
+            block_sums[x] = f"{x}_block_sums"
+            nodes.append(helper.make_node("MatMul", [x, indicators[k]], [block_sums[x]], name=f"{x}_block_sums"))
+        y = node.output[0]
+        nodes += [
+            helper.make_node(
+                "MatMulNBits",
+                [x, f"{base}_q", f"{base}_scales"],
+                [f"{y}_q4"],
+                name=f"{node.name}_Q4",
+                domain=DOMAIN,
+                K=k,
+                N=n,
+                bits=4,
+                block_size=block_size,
+                accuracy_level=accuracy_level,
+            ),
+            helper.make_node("MatMul", [block_sums[x], f"{base}_minimums"], [f"{y}_minimums"], name=f"{node.name}_min"),
+            helper.make_node("Add", [f"{y}_q4", f"{y}_minimums"], [y], name=f"{node.name}_add"),
+        ]
+        readers[weight_name] -= 1
+        weights.add(weight_name)
+        rewritten += 1
+    unused = {name for name in weights if readers[name] == 0}
+    kept = [t for t in model.graph.initializer if t.name not in unused]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept + added)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    if rewritten and not any(o.domain == DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    return rewritten
