@@ -89,7 +89,7 @@ class _DynamicallyQuantizedLinears(Pass):
             q = IntxUnpackedToInt8Tensor.from_hp(
                 weight.detach().float(), block, dtype, intx_choose_qparams_algorithm=algorithm[self.algorithm]
             )
-        return q.qdata, q.scale, q.zero_point, block
+        return q.qdata, q.scale, q.zero_point, block, None
 
     def _kept_at_int8(self, linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
         """The weights a 4-bit pass keeps at int8 per channel (none here; see
@@ -111,6 +111,7 @@ class _DynamicallyQuantizedLinears(Pass):
         stored = 0  # the quantized weights' bytes as the delegate stores them (4-bit values packed)
         count = 0
         linears = []
+        block_sums: dict[Any, Any] = {}  # linear input → its sums over each weight block
         for node in program.graph.nodes:
             if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
                 continue
@@ -129,7 +130,7 @@ class _DynamicallyQuantizedLinears(Pass):
             dtype, group_size = (torch.int8, None) if weight.name in kept else (self.weight_dtype, self.group_size)
             if weight.name not in quantized:
                 quantized[weight.name] = self._quantized(value, dtype, group_size)
-            *tensors, block = quantized[weight.name]
+            *tensors, block, minimums = quantized[weight.name]
             qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[dtype]
             bits = 8 if dtype == torch.int8 else self.weight_bits
             stored += tensors[0].numel() * bits // 8 + _tensor_bytes(tensors[1:])
@@ -165,6 +166,15 @@ class _DynamicallyQuantizedLinears(Pass):
             x_dq = edit.call(ops.dequantize_affine.default, x_q, token_block, x_scale, x_zero, torch.int8, -128, 127)
             w_dq = edit.call(ops.dequantize_affine.default, qdata, block, scale, zero_point, torch.int8, qmin, qmax)
             node.args = (x_dq, w_dq, *node.args[2:])
+            if minimums is not None:
+                sums = block_sums.get(x)
+                if sums is None:
+                    ones = _block_ones(value.shape[1], block[1])
+                    ones_node = add_constant(program, f"{target}_block_ones{suffix}", ones)
+                    sums = block_sums[x] = edit.call(torch.ops.aten.linear.default, x, ones_node)
+                minimums_node = add_constant(program, f"{target}_minimums{suffix}", minimums)
+                offset = edit.call(torch.ops.aten.linear.default, sums, minimums_node)
+                _add_after(program, node, offset)
             count += 1
         for name in quantized:
             remove_unused_parameter(program, next(n for n in program.graph.nodes if n.name == name))
@@ -179,6 +189,36 @@ class _DynamicallyQuantizedLinears(Pass):
             "weight_kib_after": round(after / 2**10),
         }
         return PassResult(program, modified=count > 0, counts=counts)
+
+
+def _block_ones(width: int, block_size: int) -> torch.Tensor:
+    """[blocks, width], ones over each block: ``linear(x, ones)`` sums ``x`` over each block."""
+    return (torch.arange(width)[None, :] // block_size == torch.arange(width // block_size)[:, None]).float()
+
+
+def _add_after(program: Any, node: Any, offset: Any) -> None:
+    """``node + offset`` in place of ``node`` for all its users (a program output too)."""
+    from torch.export.graph_signature import TensorArgument
+
+    total = GraphEditor(program.graph, node.next).call(torch.ops.aten.add.Tensor, node, offset)
+    node.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
+    for spec in program.graph_signature.output_specs:
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name == node.name:
+            spec.arg = TensorArgument(name=total.name)
+
+
+def minimum_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` [N, K] → (int8 values in -8..7, scale [N, groups], minimums [N, groups]) with
+    ``weight ≈ scale * values + minimums`` per group of ``group_size`` inputs: 4-bit groups with a
+    float minimum (llama.cpp's Q4_1; see :mod:`hfexport.passes.onnx_blocks`), written as the
+    symmetric groups XNNPACK takes plus a per-group offset, ``minimum + 8 * scale``."""
+    groups = weight.detach().double().reshape(weight.shape[0], -1, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = (high - low) / 15
+    scale[scale == 0] = 1.0
+    q = torch.clamp(torch.round((groups - low[..., None]) / scale[..., None]), 0, 15)
+    values = (q - 8).to(torch.int8).reshape(weight.shape)
+    return values, scale.float(), (low + 8 * scale).float()
 
 
 def sensitive_linears(linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
@@ -209,7 +249,9 @@ class Int4WeightsInt8Activations(_DynamicallyQuantizedLinears):
     weight_dtype = torch.int4
     weight_bits = 4
 
-    def __init__(self, group_size: int = 32, algorithm: str = "hqq", int8_sensitive: bool = True) -> None:
+    def __init__(
+        self, group_size: int = 32, algorithm: str = "hqq", int8_sensitive: bool = True, minimums: bool = True
+    ) -> None:
         # HQQ's scales measured better than round-to-nearest on SmolLM2-135M (mean logit cosine
         # 0.85 against 0.81 over 64 teacher-forced positions, the same top-1 agreement)
         if group_size % 32:
@@ -217,6 +259,17 @@ class Int4WeightsInt8Activations(_DynamicallyQuantizedLinears):
             raise ConfigError(f"XNNPACK's 4-bit kernels take groups of a multiple of 32, got group_size {group_size}")
         super().__init__(group_size, algorithm)
         self.int8_sensitive = int8_sensitive
+        self.minimums = minimums
+
+    def _quantized(
+        self, weight: torch.Tensor, dtype: torch.dtype, group_size: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], torch.Tensor | None]:
+        """With ``minimums`` (the default), 4-bit groups with a float minimum each
+        (:func:`minimum_groups`; ``algorithm`` then chooses nothing)."""
+        if not self.minimums or dtype != self.weight_dtype or group_size is None:
+            return super()._quantized(weight, dtype, group_size)
+        values, scale, minimums = minimum_groups(weight, group_size)
+        return values, scale, torch.zeros_like(scale, dtype=torch.int8), [1, group_size], minimums
 
     def _kept_at_int8(self, linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
         """With ``int8_sensitive`` (the default), the linears 4 bits hurt most stay int8 per

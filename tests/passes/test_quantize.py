@@ -149,11 +149,12 @@ def test_cli_quantize_flag(tmp_path):
     assert "MatMulNBits" in ops
 
 
-# the .pte against the fp32 weights alone (the fp32 .pte is 416 KiB for 353 KiB of weights)
+# the .pte against the fp32 weights alone (the fp32 .pte is 416 KiB for 353 KiB of weights); a
+# 4-bit group's float minimum is as large as its scale
 # 8da8w lowers the same pattern with int8 weights: make test-all
 @pytest.mark.parametrize(
     ("mode", "min_cosine", "size_ratio"),
-    [("8da4w", 0.98, 0.45), pytest.param("8da8w", 0.999, 0.6, marks=pytest.mark.slow)],
+    [("8da4w", 0.98, 0.5), pytest.param("8da8w", 0.999, 0.6, marks=pytest.mark.slow)],
 )
 def test_executorch_quantization_pass_delegates_every_linear_layer_as_quantized(mode, min_cosine, size_ratio, tmp_path):
     model = build("tiny-llama")
