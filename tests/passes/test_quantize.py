@@ -198,7 +198,9 @@ def test_torchao_quantization_pass_replaces_fp32_linear_weights(name, tied):
     ops = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
     assert ops["torchao.choose_qparams_affine.default"] == LINEAR_LAYERS
     assert ops["torchao.dequantize_affine.default"] == 2 * LINEAR_LAYERS  # input and weight of each
-    assert ops["aten.linear.default"] == LINEAR_LAYERS
+    # 8da4w with minimums: a linear per 4-bit weight for its minimums, one per input for its block sums
+    offsets = (LINEAR_LAYERS - 1) + 2 * 4 if name.startswith("int4") else 0
+    assert ops["aten.linear.default"] == LINEAR_LAYERS + offsets
     # the fp32 linear weights are gone: the embedding table stays (a 2-D float weight), norms too
     kept = {key for key, t in program.state_dict.items() if t.dim() == 2 and t.is_floating_point()}
     # (a tied table is listed under both names)
@@ -206,9 +208,13 @@ def test_torchao_quantization_pass_replaces_fp32_linear_weights(name, tied):
     int8 = [key for key, t in program.constants.items() if key.endswith("_qdata")]
     assert len(int8) == LINEAR_LAYERS and all(program.constants[k].dtype == torch.int8 for k in int8)
     if name.startswith("int4"):
-        # 4-bit values, except the output projection and the MLP down projections: int8 per channel
+        # 4-bit values, except the output projection: int8 per channel; each 4-bit weight has its
+        # groups' minimums, and each input the 4-bit weights read its block sums' ones
         wide = {k for k in int8 if int(program.constants[k].abs().max()) > 8}
-        assert wide == {"lm_head.weight_qdata", *(f"model.layers.{i}.mlp.down_proj.weight_qdata" for i in (0, 1))}
+        assert wide == {"lm_head.weight_qdata"}
+        minimums = [key for key in program.constants if key.endswith("_minimums")]
+        assert len(minimums) == LINEAR_LAYERS - 1
+        assert len([key for key in program.constants if "_block_ones" in key]) == 2 * 4
         assert all(
             int(program.constants[k].min()) >= -8 and int(program.constants[k].max()) <= 7 for k in set(int8) - wide
         )
