@@ -188,8 +188,9 @@ class OnnxConfig(DynamoConfig):
         opset_version: the ONNX opset; ``None`` is the newest the installed onnxscript supports.
         optimize: run the onnxscript optimizer (the ``onnx_optimizer`` pass) when ``passes`` is
             the default list; with an explicit ``passes`` list, list it or not.
-        quantize: ``None`` (fp32), ``"int4"`` (4-bit weights in blocks of ``quantize_group_size``,
-            ONNX Runtime ``MatMulNBits``: the ``onnx_int4_weights`` pass) or ``"int8"`` (int8
+        quantize: ``None`` (fp32), ``"int4"`` (4-bit weights in blocks of ``quantize_group_size``
+            with a scale and a float minimum each, ONNX Runtime ``MatMulNBits``: the
+            ``onnx_int4_weights`` pass) or ``"int8"`` (int8
             weights and dynamically quantized activations: ``onnx_int8_dynamic``), appended to the
             pass list. ``verify`` then checks the logits' cosine similarity (at least 0.98) and
             reports it with the top-1 agreement.
@@ -256,14 +257,14 @@ class ExecutorchConfig(DynamoConfig):
         max_planned_memory_mb: the largest memory plan accepted (MiB, all planned buffers of the
             program); ``None`` is half of this machine's memory. A program over it is an error
             before serialising, naming the bounds to lower.
-        quantize: ``None`` (fp32), ``"8da4w"`` (4-bit weight groups of ``quantize_group_size``,
-            inputs quantized to int8 per token at run time: the ``int4_weights_int8_activations``
+        quantize: ``None`` (fp32), ``"8da4w"`` (4-bit weight groups of ``quantize_group_size`` with a
+            float minimum each, inputs quantized to int8 per token at run time: the ``int4_weights_int8_activations``
             pass) or ``"8da8w"`` (int8 weights per output channel:
             ``int8_weights_int8_activations``), appended to the pass list; ``"int4"`` and
             ``"int8"`` (the :class:`OnnxConfig` names) mean the same. XNNPACK runs the quantized
             linear layers. ``verify`` then checks the logits' cosine similarity (at least 0.98)
             and reports it with the top-1 agreement.
-        quantize_group_size: the 8da4w group size (a power of two, at least 16).
+        quantize_group_size: the 8da4w group size (a multiple of 32, for XNNPACK).
 
     ExecuTorch plans memory for the largest allowed shapes, so every dynamic axis needs an upper
     bound: an explicit ``Dim(max=...)`` is kept, and an unbounded axis (``dynamic=True``, or a
