@@ -104,6 +104,17 @@ def test_int4_blocks_hold_weights_already_on_a_4bit_lattice_exactly(minimums, er
     assert error_range[0] <= error < error_range[1], error
 
 
+def test_8da4w_groups_with_minimums_hold_a_4bit_lattice_exactly():
+    # XNNPACK's symmetric groups (values -8..7) plus the per-group offset the pass adds as a linear
+    from hfexport.passes.quantize import minimum_groups
+
+    weight = on_a_4bit_lattice(torch.randn(24, 96, generator=torch.Generator().manual_seed(0)))
+    values, scale, offsets = minimum_groups(weight, 32)
+    assert values.dtype == torch.int8 and int(values.min()) >= -8 and int(values.max()) <= 7
+    rebuilt = (values.reshape(24, 3, 32) * scale[..., None] + offsets[..., None]).reshape(24, 96)
+    torch.testing.assert_close(rebuilt, weight, atol=1e-6, rtol=0)
+
+
 class ZeroWeights(Pass):
     """A broken 'quantization': every weight matrix becomes zeros."""
 
