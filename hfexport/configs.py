@@ -257,8 +257,8 @@ class ExecutorchConfig(DynamoConfig):
         max_planned_memory_mb: the largest memory plan accepted (MiB, all planned buffers of the
             program); ``None`` is half of this machine's memory. A program over it is an error
             before serialising, naming the bounds to lower.
-        quantize: ``None`` (fp32), ``"8da4w"`` (4-bit weight groups of ``quantize_group_size`` with a
-            float minimum each, inputs quantized to int8 per token at run time: the ``int4_weights_int8_activations``
+        quantize: ``None`` (fp32), ``"8da4w"`` (symmetric 4-bit weight groups of ``quantize_group_size``,
+            inputs quantized to int8 per token at run time: the ``int4_weights_int8_activations``
             pass) or ``"8da8w"`` (int8 weights per output channel:
             ``int8_weights_int8_activations``), appended to the pass list; ``"int4"`` and
             ``"int8"`` (the :class:`OnnxConfig` names) mean the same. XNNPACK runs the quantized
