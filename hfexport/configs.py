@@ -186,8 +186,9 @@ class OnnxConfig(DynamoConfig):
 
     Args:
         opset_version: the ONNX opset; ``None`` is the newest the installed onnxscript supports.
-        optimize: run the onnxscript optimizer (the ``onnx_optimizer`` pass) when ``passes`` is
-            the default list; with an explicit ``passes`` list, list it or not.
+        optimize: run the onnxscript optimizer and ONNX Runtime's RMS-norm fusions (the
+            ``onnx_optimizer`` and ``onnx_ort_fusions`` passes) when ``passes`` is the default
+            list; with an explicit ``passes`` list, list them or not.
         quantize: ``None`` (fp32), ``"int4"`` (4-bit weights in blocks of ``quantize_group_size``
             with a scale and a float minimum each, ONNX Runtime ``MatMulNBits``: the
             ``onnx_int4_weights`` pass) or ``"int8"`` (int8

@@ -260,13 +260,16 @@ class OnnxExporter(HfExporter):
     config_class = OnnxConfig
     default_passes = (
         *CLEANUP_PASSES,
+        "cache_writes_as_scatter",
         "grouped_mm_to_batched_mm",
         "whole_input_convolutions_as_linear",
         "grouped_query_attention",
+        "attention_as_matmuls",
         "explicit_contiguous_copies",
         "zero_fully_masked_attention_rows",
         "dead_code_elimination",
         "onnx_optimizer",
+        "onnx_ort_fusions",
     )
 
     def pass_list(self, config: OnnxConfig) -> list[Any]:
@@ -274,7 +277,7 @@ class OnnxExporter(HfExporter):
 
         passes = super().pass_list(config)
         if config.passes is None and not config.optimize:
-            passes.remove("onnx_optimizer")
+            passes = [p for p in passes if p not in ("onnx_optimizer", "onnx_ort_fusions")]
         quantization = onnx_quantization_pass(config.quantize, config.quantize_group_size) if config.quantize else None
         if quantization is not None and quantization.name not in {getattr(p, "name", p) for p in passes}:
             passes.append(quantization)

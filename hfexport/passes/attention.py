@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from hfexport.pipeline.graph_edit import GraphEditor, arguments
+from hfexport.pipeline.graph_edit import GraphEditor, add_constant, arguments
+from hfexport.pipeline.pass_manager import PassResult, register_pass
 from hfexport.pipeline.rewrite_rules import RewriteRule, rule_pass
 
 aten = torch.ops.aten
@@ -180,3 +181,64 @@ grouped_query_attention = rule_pass(
     times per decode step. The same products and sums are computed, so results match to rounding.
     """,
 )
+
+
+_MASK_FORMS = "hfexport.attention_mask_forms"  # meta of a boolean mask: its (additive, visible) nodes
+
+
+def _mask_forms(edit: GraphEditor, mask: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """A boolean mask as an additive one (0 where visible, the dtype's minimum elsewhere) and the
+    rows that see any key (1.0 / 0.0), made once per mask, at its first attention."""
+    if _MASK_FORMS not in mask.meta:
+        additive = edit.call(aten.where.Scalar, mask, 0.0, torch.finfo(dtype).min)
+        if additive.meta["val"].dtype != dtype:
+            additive = edit.call(aten._to_copy.default, additive, dtype=dtype)
+        visible = edit.call(aten._to_copy.default, edit.call(aten.any.dim, mask, -1, True), dtype=dtype)
+        mask.meta[_MASK_FORMS] = (additive, visible)
+    return mask.meta[_MASK_FORMS]
+
+
+@register_pass(name="attention_as_matmuls", runs_after=("grouped_query_attention",))
+def attention_as_matmuls(program: Any) -> PassResult:
+    """Rewrite SDPA with a boolean mask (or none) as ``softmax(q @ kᵀ · scale + mask) @ v``.
+
+    ExecuTorch decomposes SDPA itself, per layer: the boolean mask to an additive one, both
+    inputs scaled by ``√scale`` (``mul.Scalar``), and a "safe" softmax that zeroes fully masked
+    rows (``eq``, ``logical_not``, ``any``, ``full_like``, ``where``), about ten portable kernels
+    per layer that split its delegated graph. Here the mask is converted once for all layers,
+    the scale multiplies the scores (``mul.Tensor``, which XNNPACK takes) and fully masked rows
+    are zeroed by multiplying with the rows that see a key (1.0 / 0.0), computed once: eager's
+    semantics, with the dtype's minimum instead of -inf so such rows stay finite until zeroed.
+
+    torch.onnx's SDPA scales both the queries and the keys by ``√scale`` (a pass over every
+    layer's whole key cache per decode step) and reshapes the keys around their transpose; as
+    matmuls, ONNX Runtime fuses the keys' transpose and the scale into one ``FusedMatMul``.
+    """
+    rewritten = 0
+    for node in list(program.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        args = arguments(node)
+        query, key, value, mask = args["query"], args["key"], args["value"], args.get("attn_mask")
+        if args.get("is_causal") or args.get("dropout_p", 0.0) or args.get("enable_gqa"):
+            continue
+        if mask is not None and mask.meta["val"].dtype != torch.bool:
+            continue
+        dtype = query.meta["val"].dtype
+        scale = args.get("scale") or query.meta["val"].shape[-1] ** -0.5
+        edit = GraphEditor(program.graph, node)
+        forms = None if mask is None else _mask_forms(edit, mask, dtype)
+        scores = edit.call(aten.matmul.default, query, edit.call(aten.transpose.int, key, -2, -1))
+        scale_tensor = add_constant(program, f"hfexport_attention_scale_{node.name}", torch.tensor(scale, dtype=dtype))
+        scores = edit.call(aten.mul.Tensor, scores, scale_tensor)
+        if forms is not None:
+            scores = edit.call(aten.add.Tensor, scores, forms[0])
+        output = edit.call(aten.matmul.default, edit.call(aten._softmax.default, scores, -1, False), value)
+        if forms is not None:
+            output = edit.call(aten.mul.Tensor, output, forms[1])
+        node.replace_all_uses_with(output)
+        program.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        program.graph_module.recompile()
+    return PassResult(program, modified=rewritten > 0, counts={"rewritten": rewritten})

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
 import torch
 
+from hfexport.pipeline.graph_edit import GraphEditor
 from hfexport.pipeline.io_names import user_input_names
 from hfexport.pipeline.pass_manager import PassResult, register_pass
 
@@ -51,3 +53,53 @@ def mark_cache_mutations(program: Any) -> PassResult:
     result = PassResult(program, modified=False, counts={"mutated_inputs": len(mutations)})
     result.files["cache_mutations.json"] = json.dumps(mutations, indent=2) + "\n"
     return result
+
+
+@register_pass(name="cache_writes_as_scatter", runs_after=("mark_cache_mutations",))
+def cache_writes_as_scatter(program: Any) -> PassResult:
+    """Rewrite a static cache's write ``cache.index_copy_(axis, slots, new)`` as
+    ``cache.scatter_(axis, slots broadcast to new's shape, new)``.
+
+    torch.onnx lowers ``index_copy_`` along an inner axis as ``Transpose`` (the whole cache) →
+    ``ScatterND`` → ``Transpose`` back: three copies of every layer's keys and values per decode
+    step. ``scatter_`` lowers to one ``ScatterElements`` on that axis, which writes the new rows
+    into the cache buffer in place. The same values land in the same slots."""
+    aten = torch.ops.aten
+    renamed: dict[str, str] = {}
+    for node in list(program.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.index_copy_.default:
+            continue
+        cache, axis, slots, new = node.args
+        if slots.meta["val"].dim() != 1:
+            continue
+        rank = new.meta["val"].dim()
+        axis = axis % rank
+        edit = GraphEditor(program.graph, node)
+        shape = [1] * rank
+        shape[axis] = -1
+        index = edit.call(
+            aten.add.Tensor,
+            edit.call(aten.zeros_like.default, new, dtype=torch.int64),
+            edit.call(aten.view.default, slots, shape),
+        )
+        write = edit.call(aten.scatter_.src, cache, axis, index, new)
+        node.replace_all_uses_with(write)
+        program.graph.erase_node(node)
+        renamed[node.name] = write.name
+    if renamed:
+        _rename_outputs(program, renamed)
+        program.graph_module.recompile()
+    return PassResult(program, modified=bool(renamed), counts={"rewritten": len(renamed)})
+
+
+def _rename_outputs(program: torch.export.ExportedProgram, renamed: dict[str, str]) -> None:
+    """Point the graph signature's outputs at the nodes that replaced the ones they named."""
+    from torch.export.graph_signature import ExportGraphSignature, TensorArgument
+
+    specs = []
+    for spec in program.graph_signature.output_specs:
+        name = getattr(spec.arg, "name", None)
+        if name in renamed and isinstance(spec.arg, TensorArgument):
+            spec = dataclasses.replace(spec, arg=TensorArgument(renamed[name]))
+        specs.append(spec)
+    program._graph_signature = ExportGraphSignature(program.graph_signature.input_specs, specs)

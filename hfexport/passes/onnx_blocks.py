@@ -13,8 +13,8 @@ without error, and integer zero points put a second rounding error of the same s
     y = MatMulNBits(x, q, scale)            # zero point 8: scale * (q - 8), the int8 fast path
       + MatMul(MatMul(x, block_sums), m)    # m = minimum + 8 * scale, per block and output
 
-``block_sums`` ([K, blocks], ones over each block) sums ``x`` over each block, once per input that
-several weights share (q, k, v read one input).
+``block_sums`` ([K, blocks], ones over each block) sums ``x`` over each block, once per input; the
+weights that share an input (q, k, v) are packed into one such form.
 """
 
 from __future__ import annotations
@@ -43,7 +43,13 @@ def minimum_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.
 
 def rewrite_with_minimum_blocks(model: Any, names: set[str], block_size: int, accuracy_level: int) -> int:
     """Replace each MatMul in ``names`` (top graph, constant [K, N] weight) by the form above, in
-    place, and return how many."""
+    place, and return how many.
+
+    The MatMuls that read one input (a layer's q, k and v projections; its gate and up
+    projections) are packed into one: their weights side by side along N, one ``MatMulNBits``,
+    one minimums ``MatMul`` and one ``Add``, then a ``Split`` into their outputs. Each output
+    column keeps its own blocks, so the values are the same; the step runs fewer nodes and
+    quantizes the shared input to int8 once instead of once per weight."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -52,19 +58,27 @@ def rewrite_with_minimum_blocks(model: Any, names: set[str], block_size: int, ac
     for node in model.graph.node:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
-    block_sums: dict[str, str] = {}  # input → its block sums
+    groups: dict[str, list[Any]] = {}  # input → the MatMuls reading it, in graph order
+    for node in model.graph.node:
+        if node.name in names:
+            groups.setdefault(node.input[0], []).append(node)
+    first = {group[0].name: group for group in groups.values()}
     indicators: dict[int, str] = {}  # K → the [K, blocks] ones matrix
-    nodes, added, rewritten, weights = [], [], 0, set()
+    nodes, added, weights = [], [], set()
     for node in model.graph.node:
         if node.name not in names:
             nodes.append(node)
             continue
-        x, weight_name = node.input
-        weight = numpy_helper.to_array(initializers[weight_name])
+        group = first.get(node.name)
+        if group is None:
+            continue  # packed with the first MatMul reading its input
+        x = node.input[0]
+        parts = [numpy_helper.to_array(initializers[member.input[1]]) for member in group]
+        weight = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         k, n = weight.shape
         packed, scale, low = minimum_blocks(weight, block_size)
         blocks = packed.shape[1]
-        base = f"{weight_name}_q4m"
+        base = f"{group[0].input[1]}_q4m" if len(group) == 1 else f"{x}_packed_q4m"
         offsets = low + 8 * scale  # MatMulNBits without zero points takes 8
         added += [
             numpy_helper.from_array(packed, f"{base}_q"),
@@ -75,16 +89,16 @@ def rewrite_with_minimum_blocks(model: Any, names: set[str], block_size: int, ac
             ones = (np.arange(blocks * block_size)[:k, None] // block_size == np.arange(blocks)).astype(np.float32)
             indicators[k] = f"block_sums_{k}x{blocks}"
             added.append(numpy_helper.from_array(ones, indicators[k]))
-        if x not in block_sums:
-            block_sums[x] = f"{x}_block_sums"
-            nodes.append(helper.make_node("MatMul", [x, indicators[k]], [block_sums[x]], name=f"{x}_block_sums"))
-        y = node.output[0]
+        sums = f"{x}_block_sums"
+        y = group[0].output[0] if len(group) == 1 else f"{x}_packed_matmul"
+        label = group[0].name if len(group) == 1 else f"{x}_packed"
         nodes += [
+            helper.make_node("MatMul", [x, indicators[k]], [sums], name=sums),
             helper.make_node(
                 "MatMulNBits",
                 [x, f"{base}_q", f"{base}_scales"],
                 [f"{y}_q4"],
-                name=f"{node.name}_Q4",
+                name=f"{label}_Q4",
                 domain=DOMAIN,
                 K=k,
                 N=n,
@@ -92,18 +106,24 @@ def rewrite_with_minimum_blocks(model: Any, names: set[str], block_size: int, ac
                 block_size=block_size,
                 accuracy_level=accuracy_level,
             ),
-            helper.make_node("MatMul", [block_sums[x], f"{base}_minimums"], [f"{y}_minimums"], name=f"{node.name}_min"),
-            helper.make_node("Add", [f"{y}_q4", f"{y}_minimums"], [y], name=f"{node.name}_add"),
+            helper.make_node("MatMul", [sums, f"{base}_minimums"], [f"{y}_minimums"], name=f"{label}_min"),
+            helper.make_node("Add", [f"{y}_q4", f"{y}_minimums"], [y], name=f"{label}_add"),
         ]
-        readers[weight_name] -= 1
-        weights.add(weight_name)
-        rewritten += 1
+        if len(group) > 1:
+            sizes = f"{base}_split"
+            added.append(numpy_helper.from_array(np.array([p.shape[1] for p in parts], np.int64), sizes))
+            outputs = [member.output[0] for member in group]
+            nodes.append(helper.make_node("Split", [y, sizes], outputs, name=f"{label}_split", axis=-1))
+        for member in group:
+            readers[member.input[1]] -= 1
+            weights.add(member.input[1])
     unused = {name for name in weights if readers[name] == 0}
     kept = [t for t in model.graph.initializer if t.name not in unused]
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept + added)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    rewritten = sum(len(group) for group in groups.values())
     if rewritten and not any(o.domain == DOMAIN for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return rewritten

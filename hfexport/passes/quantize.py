@@ -371,10 +371,13 @@ class OnnxInt4Weights(Pass):
             model = self._ort_blocks(model, 8, True, set(matmuls) - kept)
         rest = set(matmuls) - kept
         if self.minimums:
-            rewrite_with_minimum_blocks(model, rest, self.group_size, self.accuracy_level)
+            packed = rewrite_with_minimum_blocks(model, rest, self.group_size, self.accuracy_level)
         elif rest:
             model = self._ort_blocks(model, 4, False, kept)
         counts = _counts(before, model, ("MatMulNBits",))
+        if self.minimums:  # weights packed side by side share a MatMulNBits node: count the weights
+            counts["matmulnbits_nodes"] = counts[QUANTIZED_WEIGHTS]
+            counts[QUANTIZED_WEIGHTS] = packed + len(kept)
         if self.int8_output:
             counts["int8_weights_kept"] = len(kept)
         if untied:

@@ -1,5 +1,5 @@
-"""Attention passes: zero_fully_masked_attention_rows and grouped_query_attention, counts and
-numerics (eager semantics kept in torch)."""
+"""Attention passes: zero_fully_masked_attention_rows, grouped_query_attention and
+attention_as_matmuls, counts and numerics (eager semantics kept in torch)."""
 
 import pytest
 import torch
@@ -111,3 +111,41 @@ def test_grouped_query_attention_repeats_a_shared_mask_once_for_all_layers():
     result.program.graph_module.graph.eliminate_dead_code()
     assert count(result.program, aten.expand.default) == 1  # the mask's rows, once
     torch.testing.assert_close(result.program.module()(q, k, v, mask), TwoLayers()(q, k, v, mask), atol=1e-6, rtol=1e-5)
+
+
+class TwoAttentions(torch.nn.Module):
+    """Two layers attending with one mask (as every decoder layer does)."""
+
+    def forward(self, q, k, v, mask):
+        first = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return torch.nn.functional.scaled_dot_product_attention(first, k, v, attn_mask=mask, scale=0.2)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_attention_as_matmuls_converts_the_mask_once_and_keeps_eager_semantics(masked):
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 8)
+    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool).tril(2)
+    mask[1, :, :2] = False  # two fully masked query rows (a left-padded sequence)
+    mask = mask if masked else None
+    program = torch.export.export(TwoAttentions(), (q, k, v, mask))
+    result = get_pass("attention_as_matmuls")(program)
+    assert result.counts == {"rewritten": 2}
+    assert count(result.program, aten.scaled_dot_product_attention.default) == 0
+    assert count(result.program, aten.where.Scalar) == (1 if masked else 0)  # once for both layers
+    assert count(result.program, aten.any.dim) == (1 if masked else 0)
+    got, expected = result.program.module()(q, k, v, mask), TwoAttentions()(q, k, v, mask)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if masked:  # eager's zeros for rows that see no key, not NaN nor an average
+        assert torch.equal(got[1, :, :2], torch.zeros_like(got[1, :, :2]))
+
+
+def test_attention_as_matmuls_leaves_float_masks_and_causal_attention_alone():
+    class Causal(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return causal + torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    q = torch.randn(1, 2, 3, 8)
+    program = torch.export.export(Causal(), (q, q, q, torch.zeros(1, 1, 3, 3)))
+    result = get_pass("attention_as_matmuls")(program)
+    assert result.counts == {"rewritten": 0} and not result.modified

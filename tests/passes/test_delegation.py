@@ -1,6 +1,5 @@
-"""Rewrites for the XNNPACK delegate: RMSNorm's mean as a linear layer, SDPA as matmuls."""
+"""Rewrites for the XNNPACK delegate: RMSNorm's mean as a linear layer."""
 
-import pytest
 import torch
 from models import build, eager, sample_inputs
 
@@ -45,41 +44,3 @@ def test_rms_norms_go_to_xnnpack_and_the_model_still_matches_eager():
     torch.testing.assert_close(
         torch.as_tensor(run_pte(result.program, inputs)[0]), eager(model, inputs).logits, atol=1e-4, rtol=1e-4
     )
-
-
-class TwoAttentions(torch.nn.Module):
-    """Two layers attending with one mask (as every decoder layer does)."""
-
-    def forward(self, q, k, v, mask):
-        first = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return torch.nn.functional.scaled_dot_product_attention(first, k, v, attn_mask=mask, scale=0.2)
-
-
-@pytest.mark.parametrize("masked", [True, False])
-def test_attention_as_matmuls_converts_the_mask_once_and_keeps_eager_semantics(masked):
-    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 8)
-    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool).tril(2)
-    mask[1, :, :2] = False  # two fully masked query rows (a left-padded sequence)
-    mask = mask if masked else None
-    program = torch.export.export(TwoAttentions(), (q, k, v, mask))
-    result = get_pass("attention_as_matmuls")(program)
-    assert result.counts == {"rewritten": 2}
-    assert count(result.program, aten.scaled_dot_product_attention.default) == 0
-    assert count(result.program, aten.where.Scalar) == (1 if masked else 0)  # once for both layers
-    assert count(result.program, aten.any.dim) == (1 if masked else 0)
-    got, expected = result.program.module()(q, k, v, mask), TwoAttentions()(q, k, v, mask)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    if masked:  # eager's zeros for rows that see no key, not NaN nor an average
-        assert torch.equal(got[1, :, :2], torch.zeros_like(got[1, :, :2]))
-
-
-def test_attention_as_matmuls_leaves_float_masks_and_causal_attention_alone():
-    class Causal(torch.nn.Module):
-        def forward(self, q, k, v, mask):
-            causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return causal + torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    q = torch.randn(1, 2, 3, 8)
-    program = torch.export.export(Causal(), (q, q, q, torch.zeros(1, 1, 3, 3)))
-    result = get_pass("attention_as_matmuls")(program)
-    assert result.counts == {"rewritten": 0} and not result.modified

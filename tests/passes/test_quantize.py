@@ -40,14 +40,17 @@ def test_onnx_quantization_pass_quantizes_every_linear_layer(mode, op, min_cosin
     assert record.counts["weight_kib_after"] < record.counts["weight_kib_before"]
     histogram = {node.op_type for node in result.program.model.graph}
     assert op in histogram
-    if mode == "int4":  # the logits' MatMul keeps 8 bits; each 4-bit one adds its minimums' MatMul
+    if mode == "int4":
+        # the logits' MatMul keeps 8 bits; the 4-bit weights that read one input are packed into one
+        # MatMulNBits with its minimums' MatMul and a Split (per layer: q k v, o, gate up, down)
         graph = result.program.model.graph
         bits = sorted(node.attributes["bits"].as_int() for node in graph if node.op_type == op)
-        assert bits == [4] * (LINEAR_LAYERS - 1) + [8] and record.counts["int8_weights_kept"] == 1
+        assert bits == [4] * (2 * 4) + [8] and record.counts["int8_weights_kept"] == 1
+        assert record.counts["matmulnbits_nodes"] == 2 * 4 + 1
         minimums = [node for node in graph if node.op_type == "MatMul" and node.inputs[1].name.endswith("_minimums")]
-        # the block sums: one per input the 4-bit weights read (per layer: attention, o, MLP, down)
         block_sums = [node for node in graph if node.op_type == "MatMul" and node.name.endswith("_block_sums")]
-        assert len(minimums) == LINEAR_LAYERS - 1 and len(block_sums) == 2 * 4
+        splits = [len(node.outputs) for node in graph if node.op_type == "Split"]
+        assert len(minimums) == len(block_sums) == 2 * 4 and sorted(splits) == [2, 2, 3, 3]
     # verify checked the logits by cosine similarity, and the report says what it measured
     assert "quantized: logit cosine" in result.report and "top-1 agreement" in result.report
     save_export(tmp_path, {"model": result})
@@ -70,7 +73,7 @@ def test_a_weight_read_through_a_transpose_is_quantized_too(mode, op):
         node.inputs[1].name for node in graph if node.op_type == "MatMul" and node.inputs[1].const_value is not None
     ]
     plain = [name for name in weights if not name.endswith("_minimums") and not name.startswith("block_sums")]
-    assert plain == [] and sum(node.op_type == op for node in graph) == LINEAR_LAYERS
+    assert plain == [] and sum(node.op_type == op for node in graph) == (LINEAR_LAYERS if mode == "int8" else 2 * 4 + 1)
     assert "quantized: logit cosine" in result.report
 
 

@@ -1,5 +1,6 @@
 """OnnxExporter end to end with a real ONNX Runtime session on the saved file."""
 
+import collections
 import json
 
 import onnxruntime as ort
@@ -188,15 +189,16 @@ def test_multimodal_single_graph_runs_in_onnx_runtime(kind, tmp_path):
     torch.testing.assert_close(logits, eager(model, inputs).logits, atol=1e-4, rtol=0)
 
 
-def test_ort_fusions_pass_reports_its_fusions_and_keeps_the_numbers():
-    from hfexport.exporters import OnnxExporter as Exporter
-
+def test_default_passes_fuse_rms_norms_and_attention_matmuls_and_keep_the_numbers():
     model = build("tiny-llama")
-    config = OnnxConfig(dynamic=True, verify=True, passes=[*Exporter.default_passes, "onnx_ort_fusions"])
-    result = OnnxExporter().run(model, sample_inputs(model), config)  # verify: within 1e-4 of eager
+    result = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True, verify=True))  # 1e-4 of eager
     (record,) = [p for s in result.records for p in s.children if p.name == "onnx_ort_fusions"]
-    # 2 layers: 4 RMS norms fused with their residual adds, the final norm alone, rotary per q and k
-    assert record.counts["skip_rms_normalization"] == 4 and record.counts["rms_normalization"] == 5
-    assert record.counts["rotary_embedding"] == 4
-    ops = {node.op_type for node in result.program.model.graph}
-    assert "SkipSimplifiedLayerNormalization" in ops and "SimplifiedLayerNormalization" in ops
+    # 2 layers: 4 RMS norms fused with their residual adds, the final norm alone
+    assert record.counts == {"rms_normalization": 5, "skip_rms_normalization": 4}
+    ops = collections.Counter(node.op_type for node in result.program.model.graph)
+    assert ops["SkipSimplifiedLayerNormalization"] == 4 and ops["SimplifiedLayerNormalization"] == 1
+    assert ops["Pow"] == ops["Sqrt"] == ops["Reciprocal"] == 0
+    # attention as q @ kᵀ · scale: the keys are not scaled, the mask made additive once for all layers
+    assert ops["IsNaN"] == 0 and ops["Where"] == 1 and ops["Softmax"] == 2
+    without = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True, optimize=False))
+    assert not any(p.name == "onnx_ort_fusions" for s in without.records for p in s.children)
