@@ -66,6 +66,7 @@ def cache_writes_as_scatter(program: Any) -> PassResult:
     into the cache buffer in place. The same values land in the same slots."""
     aten = torch.ops.aten
     renamed: dict[str, str] = {}
+    indices: dict[tuple[Any, ...], torch.fx.Node] = {}  # a layer's keys and values share one index
     for node in list(program.graph.nodes):
         if node.op != "call_function" or node.target is not aten.index_copy_.default:
             continue
@@ -75,14 +76,16 @@ def cache_writes_as_scatter(program: Any) -> PassResult:
         rank = new.meta["val"].dim()
         axis = axis % rank
         edit = GraphEditor(program.graph, node)
-        shape = [1] * rank
-        shape[axis] = -1
-        index = edit.call(
-            aten.add.Tensor,
-            edit.call(aten.zeros_like.default, new, dtype=torch.int64),
-            edit.call(aten.view.default, slots, shape),
-        )
-        write = edit.call(aten.scatter_.src, cache, axis, index, new)
+        key = (slots, axis, *(str(size) for size in new.meta["val"].shape))
+        if key not in indices:
+            shape = [1] * rank
+            shape[axis] = -1
+            indices[key] = edit.call(
+                aten.add.Tensor,
+                edit.call(aten.zeros_like.default, new, dtype=torch.int64),
+                edit.call(aten.view.default, slots, shape),
+            )
+        write = edit.call(aten.scatter_.src, cache, axis, indices[key], new)
         node.replace_all_uses_with(write)
         program.graph.erase_node(node)
         renamed[node.name] = write.name

@@ -10,12 +10,13 @@ aten = torch.ops.aten
 
 
 class StaticCacheWrite(torch.nn.Module):
-    """A static cache layer's update: the new keys go into slots ``start ..`` along axis 2."""
+    """A static cache layer's update: the new keys and values go into slots ``start ..`` along axis 2."""
 
-    def forward(self, cache, new, start):
+    def forward(self, keys, values, new, start):
         slots = torch.arange(new.shape[2]) + start
-        cache.index_copy_(2, slots, new)
-        return cache * 2
+        keys.index_copy_(2, slots, new)
+        values.index_copy_(2, slots, -new)
+        return keys * 2 + values
 
 
 def count(program, target):
@@ -23,22 +24,30 @@ def count(program, target):
 
 
 def test_cache_writes_become_one_scatter_with_the_same_result(tmp_path):
-    cache, new, start = torch.zeros(2, 3, 16, 4), torch.randn(2, 3, 5, 4), torch.tensor(6)
+    keys, values, new, start = (
+        torch.zeros(2, 3, 16, 4),
+        torch.zeros(2, 3, 16, 4),
+        torch.randn(2, 3, 5, 4),
+        torch.tensor(6),
+    )
     seq = torch.export.Dim("seq", max=16)
-    program = torch.export.export(StaticCacheWrite(), (cache, new, start), dynamic_shapes=(None, {2: seq}, None))
+    shapes = (None, None, {2: seq}, None)
+    program = torch.export.export(StaticCacheWrite(), (keys, values, new, start), dynamic_shapes=shapes)
     result = get_pass("cache_writes_as_scatter")(program)
-    assert result.counts == {"rewritten": 1}
-    assert count(result.program, aten.index_copy_.default) == 0 and count(result.program, aten.scatter_.src) == 1
+    assert result.counts == {"rewritten": 2}
+    assert count(result.program, aten.index_copy_.default) == 0 and count(result.program, aten.scatter_.src) == 2
+    assert count(result.program, aten.zeros_like.default) == 1  # the keys and values share the slots' index
     for length in (5, 1):  # a prompt, then one decode token
-        cache, new = torch.randn(2, 3, 16, 4), torch.randn(2, 3, length, 4)
-        expected_cache = cache.clone()
-        expected = StaticCacheWrite()(expected_cache, new, start)
-        got = result.program.module()(cache, new, start)
-        assert torch.equal(got, expected) and torch.equal(cache, expected_cache)  # the input written in place too
+        keys, values, new = torch.randn(2, 3, 16, 4), torch.randn(2, 3, 16, 4), torch.randn(2, 3, length, 4)
+        expected_keys, expected_values = keys.clone(), values.clone()
+        expected = StaticCacheWrite()(expected_keys, expected_values, new, start)
+        got = result.program.module()(keys, values, new, start)
+        assert torch.equal(got, expected)
+        assert torch.equal(keys, expected_keys) and torch.equal(values, expected_values)  # written in place too
 
     # ONNX: one ScatterElements on the cache axis, no transposes of the whole cache around a ScatterND
     from hfexport.targets.onnx.lowering import to_onnx
 
     onnx_program = to_onnx(result.program)
     ops = collections.Counter(node.op_type for node in onnx_program.model.graph)
-    assert ops["ScatterElements"] == 1 and ops["ScatterND"] == 0 and ops["Transpose"] == 0
+    assert ops["ScatterElements"] == 2 and ops["ScatterND"] == 0 and ops["Transpose"] == 0
