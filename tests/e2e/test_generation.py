@@ -388,6 +388,7 @@ def test_encoder_decoder_components_match_eager_on_executorch(kind):
     assert list(programs) == ["encoder", "prefill", "decode"]
 
 
+@pytest.mark.slow  # 70 s: make test-all
 def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache(caplog):
     from models import build_mamba
 
