@@ -11,9 +11,10 @@ one graph serves the prompt and every step) and measures:
 - time to first token, prefill tokens/s and decode tokens/s of greedy generation on a chat prompt
   (median of ``--repeats`` runs after one warm-up run), next to eager PyTorch's ``generate``
   (static cache) in the same process;
-- the memory bandwidth of the machine (a 1 GiB copy), the bytes read per decoded token (the weights,
-  and the static KV cache, which every step attends over) and the fraction of the bound
-  (bandwidth / bytes) reached;
+- the memory bandwidth of the machine (a 1 GiB copy, measured again just before each row's decode:
+  a shared machine's bandwidth changes within a run; a peer's right after its process), the bytes
+  read per decoded token (the weights, and the static KV cache, which every step attends over) and
+  the fraction of the bound (bandwidth / bytes) reached;
 - greedy agreement with eager fp32: the number of leading new tokens identical to
   ``model.generate(do_sample=False)`` (token-exact is all of them), and the cosine similarity of
   the prompt's last logits with eager's (what to read for quantized variants);
@@ -81,6 +82,7 @@ class Row:
     first_token_seconds: float = 0.0
     prefill_tps: float = 0.0
     decode_tps: float = 0.0
+    bandwidth_gbs: float = 0.0  # measured just before this row's decode
     bound_tps: float = 0.0
     agreement: str = ""
     top1: float | None = None  # teacher-forced top-1 agreement with eager fp32
@@ -288,7 +290,7 @@ def answer_text(tokenizer, tokens: torch.Tensor, prompt_len: int) -> str:
     return tokenizer.decode(tokens[0, prompt_len:], skip_special_tokens=True).strip()
 
 
-def benchmark(args: argparse.Namespace) -> tuple[list[Row], float]:
+def benchmark(args: argparse.Namespace) -> list[Row]:
     from transformers import GenerationConfig
 
     torch.set_num_threads(args.threads)
@@ -296,8 +298,6 @@ def benchmark(args: argparse.Namespace) -> tuple[list[Row], float]:
         from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
         _unsafe_reset_threadpool(args.threads)
-    bandwidth = memory_bandwidth_gbs()
-    print(f"memory bandwidth: {bandwidth:.1f} GB/s (1 GiB copy, read + write)", file=sys.stderr)
     rows = []
     for model_name in args.models:
         model, folder = build_model(model_name)
@@ -310,14 +310,15 @@ def benchmark(args: argparse.Namespace) -> tuple[list[Row], float]:
 
             tokenizer = AutoTokenizer.from_pretrained(folder)
         eos = None if folder is None else model.generation_config.eos_token_id
-        # the static-cache decode graph attends over every slot of the cache
-        bound = bandwidth * 1e9 / bytes_per_token(model, args.cache_len)
         with torch.no_grad():
             prompt_logits = model(ids).logits[:, -1]
         eager = EagerDecoder(model, args.cache_len)
+        bandwidth = memory_bandwidth_gbs()
         reference, first, prefill, decode = eager.run(ids, args.new_tokens, eos, args.repeats)
         row = Row(model_name, "eager", first_token_seconds=first, prefill_tps=prefill, decode_tps=decode)
-        row.bound_tps, row.agreement, row.top1 = bound, "reference", 1.0
+        # the static-cache decode graph attends over every slot of the cache
+        bound = bandwidth * 1e9 / bytes_per_token(model, args.cache_len)
+        row.bandwidth_gbs, row.bound_tps, row.agreement, row.top1 = bandwidth, bound, "reference", 1.0
         row.answer = answer_text(tokenizer, reference, ids.shape[1])
         rows.append(row)
         print(f"{model_name} eager: decode {decode:.1f} tok/s (bound {bound:.1f})", file=sys.stderr)
@@ -346,6 +347,7 @@ def benchmark(args: argparse.Namespace) -> tuple[list[Row], float]:
                 start = time.perf_counter()
                 load()
                 row.load_seconds = time.perf_counter() - start
+                row.bandwidth_gbs = memory_bandwidth_gbs()
                 tokens, first, prefill, decode, logits = timed_generation(
                     load,
                     ids,
@@ -359,7 +361,7 @@ def benchmark(args: argparse.Namespace) -> tuple[list[Row], float]:
             row.first_token_seconds, row.prefill_tps, row.decode_tps = first, prefill, decode
             quantized = getattr(config, "quantize", None)
             weight_bytes = row.artifact_mb * 2**20 - embedding_bytes(model) if quantized else None
-            row.bound_tps = bandwidth * 1e9 / bytes_per_token(model, args.cache_len, weight_bytes)
+            row.bound_tps = row.bandwidth_gbs * 1e9 / bytes_per_token(model, args.cache_len, weight_bytes)
             cosine = float(torch.nn.functional.cosine_similarity(logits.flatten(), prompt_logits.flatten(), dim=0))
             row.agreement = f"{leading_agreement(tokens, reference, ids.shape[1])}, logit cosine {cosine:.4f}"
             rows.append(row)
@@ -371,16 +373,16 @@ def benchmark(args: argparse.Namespace) -> tuple[list[Row], float]:
             )
         if folder is not None:
             for variant in args.peers:
-                row = peer_row(args, variant, model_name, folder, model, bandwidth, reference, ids.shape[1])
+                row = peer_row(args, variant, model_name, folder, model, reference, ids.shape[1])
                 if row is not None:
                     rows.append(row)
-    return rows, bandwidth
+    return rows
 
 
 PEERS_SCRIPT = Path(__file__).parent / "peers.py"
 
 
-def peer_row(args, variant: str, model_name: str, folder: Path, model, bandwidth: float, reference, prompt_len: int):
+def peer_row(args, variant: str, model_name: str, folder: Path, model, reference, prompt_len: int):
     """One peer variant's row, measured by ``peers.py`` under the peer's own venv (``None`` if it failed)."""
     runtime = "onnx" if variant.startswith("optimum-onnx") else "executorch"
     python = Path(args.peers_dir) / f"venv-{runtime}" / "bin" / "python"
@@ -391,11 +393,12 @@ def peer_row(args, variant: str, model_name: str, folder: Path, model, bandwidth
         command += ["--repeats", str(args.repeats), "--cache-len", str(args.cache_len), "--out", str(out)]
         print(f"{model_name} {variant}: {' '.join(command)}", file=sys.stderr)
         subprocess.run(command, check=False)
+        bandwidth = memory_bandwidth_gbs()
         record = json.loads(out.read_text())[0] if out.is_file() else {"error": "peers.py wrote no record"}
     if record.get("error"):
         print(f"{model_name} {variant}: failed: {record['error']}", file=sys.stderr)
         return None
-    row = Row(model_name, variant, record["export_wall_seconds"], record["export_cpu_seconds"])
+    row = Row(model_name, variant, record["export_wall_seconds"], record["export_cpu_seconds"], bandwidth_gbs=bandwidth)
     row.peak_rss_mb, row.artifact_mb, row.load_seconds = (
         record["export_peak_rss_mib"],
         record["artifact_mib"],
@@ -421,9 +424,9 @@ def markdown(rows: list[Row], bandwidth_note: str, threads: int) -> str:
         "",
         "| model | target | export (s) | export CPU (s) | stages (s) | peak RSS (MiB) | artifact (MiB) | load (s) "
         "| first token (s) "
-        "| prefill tok/s | decode tok/s | bound tok/s | of bound | greedy vs eager "
+        "| prefill tok/s | decode tok/s | bandwidth (GB/s) | bound tok/s | of bound | greedy vs eager "
         f"| teacher-forced top-1 ({TEACHER_FORCED_TOKENS}) |",
-        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         stages = ", ".join(f"{name} {seconds:.0f}" for name, seconds in r.stage_seconds.items())
@@ -432,7 +435,7 @@ def markdown(rows: list[Row], bandwidth_note: str, threads: int) -> str:
             f"| {r.model} | {r.target} | {r.export_seconds:.0f} | {r.export_cpu_seconds:.0f} | {stages} "
             f"| {r.peak_rss_mb:.0f} | {r.artifact_mb:.0f} "
             f"| {r.load_seconds:.2f} | {r.first_token_seconds:.3f} | {r.prefill_tps:.0f} | {r.decode_tps:.1f} "
-            f"| {r.bound_tps:.1f} | {r.decode_tps / r.bound_tps:.0%} | {r.agreement} | {top1} |"
+            f"| {r.bandwidth_gbs:.1f} | {r.bound_tps:.1f} | {r.decode_tps / r.bound_tps:.0%} | {r.agreement} | {top1} |"
         )
     answers = [r for r in rows if r.answer]
     if answers:
@@ -489,10 +492,14 @@ def main() -> None:
     args.models = [m for m in args.models.split(",") if m]
     args.targets = [t for t in args.targets.split(",") if t]
     args.peers = [p for p in args.peers.split(",") if p] if args.peers_dir else []
-    rows, bandwidth = benchmark(args)
+    rows = benchmark(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    note = f"memory bandwidth {bandwidth:.1f} GB/s (1 GiB copy, measured before the exports)"
+    measured = [r.bandwidth_gbs for r in rows]
+    note = (
+        f"memory bandwidth {min(measured):.1f}–{max(measured):.1f} GB/s "
+        "(a 1 GiB copy just before each row's decode; each row's bound uses its own)"
+    )
     (out / "decode.md").write_text(markdown(rows, note, args.threads))
     chart(rows, out / "decode.png")
     print(markdown(rows, note, args.threads))
