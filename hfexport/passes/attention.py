@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from hfexport.pipeline.graph_edit import GraphEditor, add_constant, arguments
+from hfexport.pipeline.graph_edit import GraphEditor, add_constant, arguments, replace_node
 from hfexport.pipeline.pass_manager import PassResult, register_pass
 from hfexport.pipeline.rewrite_rules import RewriteRule, rule_pass
 
@@ -236,8 +236,7 @@ def attention_as_matmuls(program: Any) -> PassResult:
         output = edit.call(aten.matmul.default, edit.call(aten._softmax.default, scores, -1, False), value)
         if forms is not None:
             output = edit.call(aten.mul.Tensor, output, forms[1])
-        node.replace_all_uses_with(output)
-        program.graph.erase_node(node)
+        replace_node(program, node, output)
         rewritten += 1
     if rewritten:
         program.graph_module.recompile()

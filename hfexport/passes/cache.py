@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
 import torch
 
-from hfexport.pipeline.graph_edit import GraphEditor
+from hfexport.pipeline.graph_edit import GraphEditor, replace_node
 from hfexport.pipeline.io_names import user_input_names
 from hfexport.pipeline.pass_manager import PassResult, register_pass
 
@@ -65,7 +64,7 @@ def cache_writes_as_scatter(program: Any) -> PassResult:
     step. ``scatter_`` lowers to one ``ScatterElements`` on that axis, which writes the new rows
     into the cache buffer in place. The same values land in the same slots."""
     aten = torch.ops.aten
-    renamed: dict[str, str] = {}
+    rewritten = 0
     indices: dict[tuple[Any, ...], torch.fx.Node] = {}  # a layer's keys and values share one index
     for node in list(program.graph.nodes):
         if node.op != "call_function" or node.target is not aten.index_copy_.default:
@@ -85,24 +84,8 @@ def cache_writes_as_scatter(program: Any) -> PassResult:
                 edit.call(aten.zeros_like.default, new, dtype=torch.int64),
                 edit.call(aten.view.default, slots, shape),
             )
-        write = edit.call(aten.scatter_.src, cache, axis, indices[key], new)
-        node.replace_all_uses_with(write)
-        program.graph.erase_node(node)
-        renamed[node.name] = write.name
-    if renamed:
-        _rename_outputs(program, renamed)
+        replace_node(program, node, edit.call(aten.scatter_.src, cache, axis, indices[key], new))
+        rewritten += 1
+    if rewritten:
         program.graph_module.recompile()
-    return PassResult(program, modified=bool(renamed), counts={"rewritten": len(renamed)})
-
-
-def _rename_outputs(program: torch.export.ExportedProgram, renamed: dict[str, str]) -> None:
-    """Point the graph signature's outputs at the nodes that replaced the ones they named."""
-    from torch.export.graph_signature import ExportGraphSignature, TensorArgument
-
-    specs = []
-    for spec in program.graph_signature.output_specs:
-        name = getattr(spec.arg, "name", None)
-        if name in renamed and isinstance(spec.arg, TensorArgument):
-            spec = dataclasses.replace(spec, arg=TensorArgument(renamed[name]))
-        specs.append(spec)
-    program._graph_signature = ExportGraphSignature(program.graph_signature.input_specs, specs)
+    return PassResult(program, modified=rewritten > 0, counts={"rewritten": rewritten})

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from hfexport.pipeline.graph_edit import GraphEditor, add_constant, arguments
+from hfexport.pipeline.graph_edit import GraphEditor, add_constant, arguments, replace_node
 from hfexport.pipeline.pass_manager import PassResult, register_pass
 
 aten = torch.ops.aten
@@ -53,8 +53,7 @@ def last_axis_mean_as_linear(program: Any) -> PassResult:
             program, f"hfexport_mean_weight_{node.name}", torch.full((1, size), 1 / size, dtype=dtype)
         )
         mean = GraphEditor(program.graph, node).call(aten.linear.default, x, weight)
-        node.replace_all_uses_with(mean)
-        program.graph.erase_node(node)
+        replace_node(program, node, mean)
         rewritten += 1
     if rewritten:
         program.graph_module.recompile()

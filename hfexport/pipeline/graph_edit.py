@@ -7,6 +7,7 @@ arguments, in the program's own fake mode (symbolic sizes included).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -79,3 +80,22 @@ def remove_unused_parameter(program: torch.export.ExportedProgram, node: Node) -
     program._graph_signature = ExportGraphSignature(specs, program.graph_signature.output_specs)
     program.state_dict.pop(target, None)
     return True
+
+
+def replace_node(program: torch.export.ExportedProgram, node: Node, replacement: Node) -> None:
+    """Make every user of ``node`` use ``replacement`` and erase ``node``. When ``node`` was a
+    program output (a static cache's in-place write is one), the graph signature names
+    ``replacement`` instead, so the program keeps its outputs."""
+    from torch.export.graph_signature import ExportGraphSignature, TensorArgument
+
+    node.replace_all_uses_with(replacement)
+    program.graph.erase_node(node)
+    specs = list(program.graph_signature.output_specs)
+    if any(getattr(spec.arg, "name", None) == node.name for spec in specs):
+        specs = [
+            dataclasses.replace(spec, arg=TensorArgument(replacement.name))
+            if isinstance(spec.arg, TensorArgument) and spec.arg.name == node.name
+            else spec
+            for spec in specs
+        ]
+        program._graph_signature = ExportGraphSignature(program.graph_signature.input_specs, specs)
