@@ -238,6 +238,7 @@ EXECUTORCH_BACKENDS = ("xnnpack", "portable", "cuda")
 
 
 DEFAULT_MAX_SEQ_LEN = 1024
+DEFAULT_MAX_BATCH_SIZE = 8
 
 
 @dataclass
@@ -254,7 +255,10 @@ class ExecutorchConfig(DynamoConfig):
             ``None`` is 1024, capped by the model config's own length limit
             (``max_position_embeddings``, ``n_positions``, ``max_target_positions``, …) when it has one;
             for generation components that write a static cache, the cache length.
-        max_batch_size: upper bound of every unbounded dynamic batch axis (axis 0).
+        max_batch_size: upper bound of every unbounded dynamic batch axis (axis 0); ``None`` is 8,
+            and 1 for generation components that write a static cache: their decode program then
+            has a static batch of one, which lets XNNPACK delegate each layer whole (its reshapes
+            take one dynamic axis, the query length), and the sample is cut to its first row.
         max_planned_memory_mb: the largest memory plan accepted (MiB, all planned buffers of the
             program); ``None`` is half of this machine's memory. A program over it is an error
             before serialising, naming the bounds to lower.
@@ -280,7 +284,7 @@ class ExecutorchConfig(DynamoConfig):
     alloc_graph_output: bool = True
     alloc_mutable_buffers: bool = True
     max_seq_len: int | None = None
-    max_batch_size: int = 8
+    max_batch_size: int | None = None
     max_planned_memory_mb: int | None = None
     quantize: str | None = None
     quantize_group_size: int = 32

@@ -205,6 +205,8 @@ def run_for_generation(
     takes several tokens (``multi_token_decode=True``)."""
     from hfexport.models.generation import decompose_for_generation
 
+    if any(_batch_of_one(config) for config in configs):
+        inputs = _first_row(inputs)
     found = decompose_for_generation(model, inputs, generation_config, multi_token_decode)
     unknown = sorted(set(components or ()) - set(found))
     if unknown:
@@ -229,6 +231,8 @@ def run_for_generation(
             if cache_len and "cache" in kwargs and getattr(config, "max_seq_len", 0) is None:
                 # a component writing a static cache never sees more tokens than it holds
                 config.max_seq_len = cache_len
+            if "cache" in kwargs and _batch_of_one(config):
+                config.max_batch_size = 1
             if config.dump_dir:
                 config.dump_dir = str(Path(config.dump_dir) / name)
             component_configs.append(config)
@@ -239,6 +243,21 @@ def run_for_generation(
         except Exception as error:
             raise HfExportError(f"component {name!r} failed: {type(error).__name__}: {error}") from error
     return results
+
+
+def _batch_of_one(config: Any) -> bool:
+    """Whether ``config`` (or one of its per-component configs) is an ExecuTorch config whose
+    ``max_batch_size`` is left to its default, which a generation component makes 1."""
+    if isinstance(config, dict):
+        return any(_batch_of_one(c) for c in config.values())
+    return isinstance(config, ExecutorchConfig) and config.max_batch_size is None
+
+
+def _first_row(inputs: Any) -> Any:
+    """The sample with its first row only (every tensor input cut on axis 0)."""
+    if not isinstance(inputs, dict):
+        return inputs
+    return {name: v[:1] if isinstance(v, torch.Tensor) and v.dim() else v for name, v in inputs.items()}
 
 
 CLEANUP_PASSES = ("remove_tensor_metadata_asserts", "remove_noop_conversions", "mark_cache_mutations")
@@ -297,6 +316,7 @@ class ExecutorchExporter(HfExporter):
         "grouped_query_attention",
         "attention_as_matmuls",
         "last_axis_mean_as_linear",
+        "rotate_half_as_linear",
         "histc_to_comparisons",
         "sort_to_topk",
         "empty_like_to_zeros_like",

@@ -10,4 +10,5 @@ from hfexport.passes import (  # noqa: F401
     onnx_graph,
     portable_kernels,
     quantize,
+    rotary,
 )

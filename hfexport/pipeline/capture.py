@@ -124,6 +124,8 @@ def auto_dynamic_shapes(
 
     def hint(axis: int, size: int) -> Any:
         upper = axis_bound(axis) if axis_bound else None
+        if upper is not None and upper <= size == 1:
+            return torch.export.Dim.STATIC  # one size left (torch.export refuses Dim.AUTO(max=1))
         # never below the sample: an axis the model fixes (a channel count) may exceed the bound
         return torch.export.Dim.AUTO if upper is None else torch.export.Dim.AUTO(max=max(upper, size))
 
@@ -447,7 +449,7 @@ def capture(
         logger.info("capture bounds: %s", bounds.describe())
     # torch.export specialises a size-1 axis, so a one-row sample would freeze the batch axis: trace
     # a copy widened to two rows instead, and keep it only if it matches eager on the caller's rows
-    widened = widen_batch(inputs) if config.dynamic else None
+    widened = widen_batch(inputs) if config.dynamic and (bounds is None or bounds.batch > 1) else None
     program = _trace(model, widened, dynamic_shapes, config) if widened is not None else None
     if program is not None and not _matches_eager(model, program, inputs):
         logger.warning(

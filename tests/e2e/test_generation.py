@@ -289,13 +289,38 @@ def test_executorch_static_decode_generates_the_same_tokens(preset, tmp_path):
 
     model = build(preset)
     prompt = sample_inputs(model, 2, 6)
-    export = export_folder(model, prompt, ExecutorchConfig(dynamic=True, verify=True), tmp_path)
+    config = ExecutorchConfig(dynamic=True, verify=True, max_batch_size=2)  # a batched decode program
+    export = export_folder(model, prompt, config, tmp_path)
     ids = next(i for i in export.manifest.component("decode").inputs if i.path == "input_ids")
     assert ids.dynamic[1][1] == 32  # the memory plan is bounded by the static cache length
     decoder = export.decoder(batch_size=2)
     tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
     assert torch.equal(tokens, reference_tokens(model, prompt))
     assert_a_second_generation_matches(decoder, model)
+
+
+def test_executorch_decode_defaults_to_one_row_and_delegates_each_layer_whole(tmp_path):
+    """With ``max_batch_size`` left to its default, a generation component's batch is one (the
+    sample is cut to its first row): every reshape then has one dynamic axis, which XNNPACK infers,
+    so a layer's work is delegated between its two cache writes instead of in nine pieces."""
+    from hfexport import ExecutorchConfig, HfExportError
+
+    model = build("tiny-llama")  # 2 layers
+    prompt = sample_inputs(model, 2, 6)
+    config = ExecutorchConfig(dynamic=True, verify=True, dump_dir=str(tmp_path / "dump"))
+    export = export_folder(model, prompt, config, tmp_path / "out")
+    delegation = (tmp_path / "dump" / "decode" / "03_delegate" / "delegation.md").read_text()
+    subgraphs = int(delegation.splitlines()[0].split(":")[1])
+    assert subgraphs <= 2 * 2 + 2, delegation  # 20 with a dynamic batch
+    assert "| aten_slice_copy_tensor | 0 | 1 |" in delegation  # only the logits' last position
+    ids = next(i for i in export.manifest.component("decode").inputs if i.path == "input_ids")
+    assert ids.shape[0] == 1
+    decoder = export.decoder(batch_size=1)
+    one_row = {name: value[:1] for name, value in prompt.items()}
+    tokens = greedy_decode(decoder, one_row["input_ids"], 16, decoder.max_cache_len)
+    assert torch.equal(tokens, reference_tokens(model, one_row))
+    with pytest.raises(HfExportError, match="axis 0 has size 2, above the exported upper bound 1"):
+        greedy_decode(export.decoder(batch_size=2), prompt["input_ids"], 4, 32, prompt["attention_mask"])
 
 
 def test_a_failing_component_is_named(monkeypatch):

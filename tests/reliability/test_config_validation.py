@@ -37,7 +37,7 @@ def state_hash(model):
         ({"tolerance": math.inf}, "tolerance must be a positive number"),
         ({"export_format": "executorch", "max_seq_len": 0}, "ExecutorchConfig max_seq_len must be at least 1, got 0"),
         ({"export_format": "executorch", "max_batch_size": -2}, "max_batch_size must be at least 1, got -2"),
-        ({"export_format": "executorch", "max_batch_size": "8"}, "max_batch_size must be int, got '8' (str)"),
+        ({"export_format": "executorch", "max_batch_size": "8"}, "max_batch_size must be int or None, got '8' (str)"),
         ({"export_format": "onnx", "optimize": "false"}, "OnnxConfig optimize must be bool, got 'false' (str)"),
     ],
 )

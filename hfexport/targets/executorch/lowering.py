@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hfexport.configs import DEFAULT_MAX_SEQ_LEN
+from hfexport.configs import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN
 from hfexport.errors import ConfigError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
 from hfexport.pipeline.capture import AxisBounds, Captured
@@ -32,10 +32,11 @@ LENGTH_LIMITS = ("max_position_embeddings", "n_positions", "max_target_positions
 
 def memory_planning_bounds(model: torch.nn.Module, config: Any) -> AxisBounds:
     """The bounds ExecuTorch memory planning needs, by the policy of
-    :class:`~hfexport.ExecutorchConfig`: ``max_batch_size`` for axis 0; for the others
+    :class:`~hfexport.ExecutorchConfig`: ``max_batch_size`` (default 8) for axis 0; for the others
     ``max_seq_len``, else 2048 capped by the model config's own length limit."""
+    batch = config.max_batch_size or DEFAULT_MAX_BATCH_SIZE
     if config.max_seq_len is not None:
-        return AxisBounds(config.max_batch_size, config.max_seq_len, "ExecuTorch memory planning: max_seq_len")
+        return AxisBounds(batch, config.max_seq_len, "ExecuTorch memory planning: max_seq_len")
     model_config = getattr(model, "config", None)
     configs = [model_config]
     if hasattr(model_config, "get_text_config"):
@@ -49,9 +50,9 @@ def memory_planning_bounds(model: torch.nn.Module, config: Any) -> AxisBounds:
     if limits:
         field, limit = min(limits.items(), key=lambda item: item[1])
         if limit < DEFAULT_MAX_SEQ_LEN:
-            return AxisBounds(config.max_batch_size, limit, f"ExecuTorch memory planning: model config {field}")
+            return AxisBounds(batch, limit, f"ExecuTorch memory planning: model config {field}")
     return AxisBounds(
-        config.max_batch_size,
+        batch,
         DEFAULT_MAX_SEQ_LEN,
         f"ExecuTorch memory planning: default max_seq_len {DEFAULT_MAX_SEQ_LEN}",
     )
@@ -92,7 +93,10 @@ def to_edge(program: torch.export.ExportedProgram, partitioners: list[Any]) -> A
     # fails with "Cannot view a tensor with shape ... and strides ..." (pytorch/pytorch#136543).
     with sdpa_kernel(SDPBackend.MATH):
         edge = _gen_edge_manager_for_partitioners({"forward": partitioners}, {"forward": program}, config, None, False)
-    drop_same_layout_copies(edge.exported_program())
+    program = edge.exported_program()
+    drop_same_layout_copies(program)
+    drop_same_shape_expands(program)
+    infer_the_dynamic_view_axis(program)
     return edge
 
 
@@ -126,6 +130,56 @@ def drop_same_layout_copies(program: torch.export.ExportedProgram) -> int:
     if dropped:
         program.graph_module.recompile()
     return dropped
+
+
+def _edge_op(node: torch.fx.Node, name: str) -> bool:
+    return node.op == "call_function" and getattr(node.target, "_name", None) == name
+
+
+def drop_same_shape_expands(program: torch.export.ExportedProgram) -> int:
+    """Replace each ``expand_copy`` whose result has its input's shape by the input, and return how
+    many went. Decomposing ``matmul`` expands both operands to the broadcast shape, a copy of the
+    whole key cache per layer when the shapes already match, and XNNPACK takes no ``expand_copy``
+    with a dynamic axis, so each one also split the layer's delegated graph."""
+    graph = program.graph_module.graph
+    dropped = 0
+    for node in list(graph.nodes):
+        if not _edge_op(node, "aten::expand_copy"):
+            continue
+        source = node.args[0]
+        a, b = source.meta.get("val"), node.meta.get("val")
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
+            continue
+        if any(getattr(spec.arg, "name", None) == node.name for spec in program.graph_signature.output_specs):
+            continue
+        node.replace_all_uses_with(source)
+        graph.erase_node(node)
+        dropped += 1
+    if dropped:
+        program.graph_module.recompile()
+    return dropped
+
+
+def infer_the_dynamic_view_axis(program: torch.export.ExportedProgram) -> int:
+    """Give each ``view_copy`` whose result has exactly one dynamic axis a literal shape with -1 for
+    that axis, and return how many changed. XNNPACK's reshape infers one axis but takes no
+    symbolic size (a decode graph's query length read with ``sym_size``), so each such view was
+    left to a portable kernel between two delegated graphs."""
+    changed = 0
+    for node in program.graph_module.graph.nodes:
+        if not _edge_op(node, "aten::view_copy"):
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        dynamic = [axis for axis, size in enumerate(value.shape) if not isinstance(size, int)]
+        if len(dynamic) != 1 or all(isinstance(size, int) for size in node.args[1]):
+            continue
+        node.args = (node.args[0], [-1 if axis in dynamic else int(size) for axis, size in enumerate(value.shape)])
+        changed += 1
+    if changed:
+        program.graph_module.recompile()
+    return changed
 
 
 def delegate(edge: Any, partitioners: list[Any], run: PipelineRun) -> Any:
