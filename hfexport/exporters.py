@@ -254,10 +254,16 @@ def _batch_of_one(config: Any) -> bool:
 
 
 def _first_row(inputs: Any) -> Any:
-    """The sample with its first row only (every tensor input cut on axis 0)."""
+    """The sample with its first row only, when every tensor input leads with the batch axis
+    (a vision model's flattened patches do not: then the sample is kept, and a batch above the
+    bound is refused by name at capture)."""
     if not isinstance(inputs, dict):
         return inputs
-    return {name: v[:1] if isinstance(v, torch.Tensor) and v.dim() else v for name, v in inputs.items()}
+    tensors = {name: v for name, v in inputs.items() if isinstance(v, torch.Tensor) and v.dim()}
+    batches = {v.shape[0] for v in tensors.values()}
+    if len(batches) != 1 or batches == {1}:
+        return inputs
+    return {**inputs, **{name: v[:1] for name, v in tensors.items()}}
 
 
 CLEANUP_PASSES = ("remove_tensor_metadata_asserts", "remove_noop_conversions", "mark_cache_mutations")
