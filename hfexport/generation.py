@@ -95,6 +95,24 @@ class StaticCacheDecoder:
     cache: Any
     max_cache_len: int
 
+    @staticmethod
+    def check_batch_size(spec: Any, batch_size: int) -> None:
+        """Raise :class:`HfExportError` when the decode program (its manifest ``spec``) cannot take
+        ``batch_size`` rows: a static batch of another size, or a dynamic batch bounded below it."""
+        cache = next((i for i in spec.fed if i.name in spec.write_backs and i.shape), None)
+        if cache is None:
+            return
+        # a dynamic batch's recorded minimum is torch.export's (2), and one row runs: only the maximum binds
+        high = cache.dynamic[0][1] if 0 in cache.dynamic else cache.shape[0]
+        static = 0 not in cache.dynamic
+        if (static and batch_size != high) or (high is not None and batch_size > high):
+            exported = f"a static batch of {high}" if static else f"a batch of at most {high}"
+            raise HfExportError(
+                f"the decode program was exported with {exported} and cannot decode {batch_size} rows; export "
+                "it again for that batch (an ExecuTorch generation export takes one row unless "
+                "ExecutorchConfig(max_batch_size=...) is set)"
+            )
+
     def reset(self) -> None:
         """Empty the cache (keys, values and token counters), in place, so the next call starts
         a new sequence; :func:`greedy_decode` calls it before each prompt."""

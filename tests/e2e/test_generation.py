@@ -285,7 +285,7 @@ ET_DECODERS = [
 
 @pytest.mark.parametrize("preset", ET_DECODERS)
 def test_executorch_static_decode_generates_the_same_tokens(preset, tmp_path):
-    from hfexport import ExecutorchConfig
+    from hfexport import ExecutorchConfig, HfExportError
 
     model = build(preset)
     prompt = sample_inputs(model, 2, 6)
@@ -297,6 +297,8 @@ def test_executorch_static_decode_generates_the_same_tokens(preset, tmp_path):
     tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
     assert torch.equal(tokens, reference_tokens(model, prompt))
     assert_a_second_generation_matches(decoder, model)
+    with pytest.raises(HfExportError, match="exported with a batch of at most 2 and cannot decode 3 rows"):
+        export.decoder(batch_size=3)
 
 
 def test_executorch_decode_defaults_to_one_row_and_delegates_each_layer_whole(tmp_path):
@@ -319,8 +321,8 @@ def test_executorch_decode_defaults_to_one_row_and_delegates_each_layer_whole(tm
     one_row = {name: value[:1] for name, value in prompt.items()}
     tokens = greedy_decode(decoder, one_row["input_ids"], 16, decoder.max_cache_len)
     assert torch.equal(tokens, reference_tokens(model, one_row))
-    with pytest.raises(HfExportError, match="axis 0 has size 2, above the exported upper bound 1"):
-        greedy_decode(export.decoder(batch_size=2), prompt["input_ids"], 4, 32, prompt["attention_mask"])
+    with pytest.raises(HfExportError, match="exported with a static batch of 1 and cannot decode 2 rows"):
+        export.decoder(batch_size=2)
 
 
 def test_a_failing_component_is_named(monkeypatch):

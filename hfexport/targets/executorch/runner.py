@@ -149,6 +149,7 @@ class ExecutorchDecoder(StaticCacheDecoder):
 
         self.runner = ExecutorchRunner(source, spec)
         self.spec = self.runner.spec
+        self.check_batch_size(self.spec, batch_size)
         pairs = self.spec.write_backs
         if not pairs:
             raise HfExportError("the decode program writes no cache in place; export decode with a static cache")

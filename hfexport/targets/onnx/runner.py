@@ -117,6 +117,7 @@ class OnnxDecoder(StaticCacheDecoder):
 
         runner = OnnxRunner(path, spec, threads=threads)
         self.session, self.spec = runner.session, runner.spec
+        self.check_batch_size(self.spec, batch_size)
         types = {i.name: i.type for i in self.session.get_inputs()}
         pairs = self.spec.write_backs
         if not pairs:
