@@ -259,6 +259,10 @@ class ExecutorchConfig(DynamoConfig):
             and 1 for generation components that write a static cache: their decode program then
             has a static batch of one, which lets XNNPACK delegate each layer whole (its reshapes
             take one dynamic axis, the query length), and the sample is cut to its first row.
+        cache_in_program: keep a static cache's keys and values inside the program as its state
+            (mutable buffers written in place) rather than inputs the program writes back; the
+            decode step then copies no cache in or out. Without ``alloc_graph_input`` the caller
+            binds its own cache buffers, so the cache stays an input.
         max_planned_memory_mb: the largest memory plan accepted (MiB, all planned buffers of the
             program); ``None`` is half of this machine's memory. A program over it is an error
             before serialising, naming the bounds to lower.
@@ -288,6 +292,7 @@ class ExecutorchConfig(DynamoConfig):
     max_planned_memory_mb: int | None = None
     quantize: str | None = None
     quantize_group_size: int = 32
+    cache_in_program: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

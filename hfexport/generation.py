@@ -99,7 +99,8 @@ class StaticCacheDecoder:
     def check_batch_size(spec: Any, batch_size: int) -> None:
         """Raise :class:`HfExportError` when the decode program (its manifest ``spec``) cannot take
         ``batch_size`` rows: a static batch of another size, or a dynamic batch bounded below it."""
-        cache = next((i for i in spec.fed if i.name in spec.write_backs and i.shape), None)
+        held = (i for i in spec.inputs if (i.state or i.name in spec.write_backs) and len(i.shape) >= 2)
+        cache = next(held, None)
         if cache is None:
             return
         # a dynamic batch's recorded minimum is torch.export's (2), and one row runs: only the maximum binds

@@ -34,7 +34,8 @@ class InputSpec:
     (``max`` None: unbounded), each with its size as the program's symbol expression in ``dims``
     (axes of several inputs with one expression must have one size). A constant input (a flag such
     as ``use_cache``) has ``constant`` set and is not fed. ``written``: the program updates this
-    input in place."""
+    input in place. ``state``: the program keeps this tensor inside (an ExecuTorch program's static
+    cache): it is not fed, and its shape and dtype say what the program holds."""
 
     name: str
     path: str
@@ -44,6 +45,7 @@ class InputSpec:
     written: bool = False
     constant: Any = None
     dims: dict[int, str] = field(default_factory=dict)
+    state: bool = False
 
 
 @dataclass
@@ -71,8 +73,8 @@ class ComponentSpec:
 
     @property
     def fed(self) -> list[InputSpec]:
-        """The inputs a caller feeds (constants excluded), in the program's order."""
-        return [spec for spec in self.inputs if spec.constant is None]
+        """The inputs a caller feeds (constants and program state excluded), in the program's order."""
+        return [spec for spec in self.inputs if spec.constant is None and not spec.state]
 
     @property
     def write_backs(self) -> dict[str, str]:
@@ -185,7 +187,28 @@ def program_inputs(
                 dims={row.axis: row.dim for row in rows if row.dynamic and row.dim},
             )
         )
-    return specs
+    return specs + program_state(program)
+
+
+STATE_PREFIX = "state."  # the buffer of an input a program keeps as its state: state.<input path>
+
+
+def program_state(program: torch.export.ExportedProgram) -> list[InputSpec]:
+    """The inputs ``program`` keeps as its state (buffers named ``state.<input path>``: see
+    :func:`hfexport.targets.executorch.lowering.cache_as_program_state`), in its order."""
+    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    return [
+        InputSpec(
+            name=spec.target.removeprefix(STATE_PREFIX),
+            path=spec.target.removeprefix(STATE_PREFIX),
+            dtype=_dtype(values.get(spec.arg.name)),
+            shape=[int(size) for size in values[spec.arg.name].shape],
+            written=True,
+            state=True,
+        )
+        for spec in program.graph_signature.input_specs
+        if spec.kind == InputKind.BUFFER and (spec.target or "").startswith(STATE_PREFIX)
+    ]
 
 
 def program_outputs(program: torch.export.ExportedProgram) -> list[tuple[str, str, str | None]]:

@@ -48,9 +48,19 @@ class Runner:
     def output_names(self) -> list[str]:
         return [o.name for o in self.spec.outputs]
 
-    def ordered(self, inputs: Any) -> list[tuple[InputSpec, Any]]:
-        """``(spec, value)`` for every fed input, in the program's order, each checked."""
+    def ordered(self, inputs: Any, state_given: bool = False) -> list[tuple[InputSpec, Any]]:
+        """``(spec, value)`` for every fed input, in the program's order, each checked. An input the
+        program keeps as its state is refused (the program would not read it), unless
+        ``state_given``: then it is left out."""
         flat = flat_inputs(inputs)
+        state = [i.path for i in self.spec.inputs if i.state and i.path in flat]
+        if state and not state_given:
+            raise HfExportError(
+                f"the program keeps {', '.join(state[:3])}{' …' if len(state) > 3 else ''} inside as its state "
+                "and does not take it as an input; pass the inputs without it (the cache object's other "
+                "leaves, such as its token counters, are still fed), decode with hfexport.load(DIR), or export "
+                "with ExecutorchConfig(cache_in_program=False) to pass the cache in"
+            )
         known = {i.path for i in self.spec.inputs}
         unknown = [path for path in flat if path not in known]
         if unknown:

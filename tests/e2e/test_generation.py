@@ -25,11 +25,11 @@ def reference_tokens(model, prompt, new_tokens=16):
         return model.generate(**prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
 
-def assert_a_second_generation_matches(decoder, model):
+def assert_a_second_generation_matches(decoder, model, batch=2):
     """One decoder serves a later, different prompt: the graph writes at its cache's token
     counters, so a stale counter from the first generation would write the wrong slots (and,
     past the cache's end, fail)."""
-    prompt = sample_inputs(model, 2, 9, seed=7)
+    prompt = sample_inputs(model, batch, 9, seed=7)
     tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
     assert torch.equal(tokens, reference_tokens(model, prompt))
 
@@ -315,14 +315,49 @@ def test_executorch_decode_defaults_to_one_row_and_delegates_each_layer_whole(tm
     subgraphs = int(delegation.splitlines()[0].split(":")[1])
     assert subgraphs <= 2 * 2 + 2, delegation  # 20 with a dynamic batch
     assert "| aten_slice_copy_tensor | 0 | 1 |" in delegation  # only the logits' last position
-    ids = next(i for i in export.manifest.component("decode").inputs if i.path == "input_ids")
+    spec = export.manifest.component("decode")
+    ids = next(i for i in spec.inputs if i.path == "input_ids")
     assert ids.shape[0] == 1
+    # the keys and values are the program's state: not fed, not written back; the counters are
+    held = sorted(i.path for i in spec.inputs if i.state)
+    assert held == sorted(f"cache.layers.{i}.{leaf}" for i in range(2) for leaf in ("keys", "values"))
+    assert all(i.shape == [1, 2, 32, 16] for i in spec.inputs if i.state)
+    assert sorted(o.writes for o in spec.outputs if o.kind == "write_back") == [
+        f"cache.layers.{i}.cumulative_length" for i in range(2)
+    ]
     decoder = export.decoder(batch_size=1)
+    assert decoder.max_cache_len == 32
     one_row = {name: value[:1] for name, value in prompt.items()}
     tokens = greedy_decode(decoder, one_row["input_ids"], 16, decoder.max_cache_len)
     assert torch.equal(tokens, reference_tokens(model, one_row))
+    assert_a_second_generation_matches(decoder, model, batch=1)  # the state is reused, old slots masked
     with pytest.raises(HfExportError, match="exported with a static batch of 1 and cannot decode 2 rows"):
         export.decoder(batch_size=2)
+
+
+def test_executorch_decode_keeps_the_cache_as_program_state_unless_switched_off(tmp_path):
+    """The cache's keys and values stay inside the program (no copy in or out per step); a caller
+    passing them is refused rather than ignored; ``cache_in_program=False`` feeds them again."""
+    from hfexport import ExecutorchConfig, HfExportError
+    from hfexport.targets.executorch.runner import ExecutorchRunner
+
+    model = build("tiny-llama")
+    prompt = sample_inputs(model, 1, 6)
+    export = export_folder(model, prompt, ExecutorchConfig(dynamic=True), tmp_path / "state")
+    decode_kwargs = decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)["decode"][1]
+    spec = export.manifest.component("decode")
+    runner = ExecutorchRunner(tmp_path / "state" / spec.file, spec)
+    assert runner.method.metadata.num_inputs() == 2 + 3  # two counters, ids, positions, mask
+    with pytest.raises(HfExportError, match="keeps cache.layers.0.keys, .* inside as its state"):
+        runner.run(decode_kwargs)
+
+    export = export_folder(model, prompt, ExecutorchConfig(dynamic=True, cache_in_program=False), tmp_path / "in")
+    spec = export.manifest.component("decode")
+    assert not any(i.state for i in spec.inputs)
+    assert len([o for o in spec.outputs if o.kind == "write_back"]) == 6
+    decoder = export.decoder(batch_size=1)
+    tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len)
+    assert torch.equal(tokens, reference_tokens(model, prompt))
 
 
 def test_a_failing_component_is_named(monkeypatch):

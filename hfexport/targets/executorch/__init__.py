@@ -31,7 +31,12 @@ class ExecutorchTarget(Target):
 
         partitioners = lowering.partitioners(config.backend)
         return [
-            TransformStage("to_edge", lambda program, run: lowering.to_edge(program, partitioners)),
+            TransformStage(
+                "to_edge",
+                lambda program, run: lowering.to_edge(
+                    program, partitioners, run.inputs if config.cache_in_program and config.alloc_graph_input else None
+                ),
+            ),
             TransformStage("delegate", lambda edge, run: lowering.delegate(edge, partitioners, run)),
             TransformStage("to_executorch", lambda edge, run: lowering.to_executorch(edge, config, run)),
         ]

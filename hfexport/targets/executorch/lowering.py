@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -20,7 +21,14 @@ from hfexport.errors import ConfigError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
 from hfexport.pipeline.capture import AxisBounds, Captured
 from hfexport.pipeline.pipeline import PipelineRun
-from hfexport.targets.manifest import ComponentSpec, OutputSpec, captured_facts, program_inputs, program_outputs
+from hfexport.targets.manifest import (
+    STATE_PREFIX,
+    ComponentSpec,
+    OutputSpec,
+    captured_facts,
+    program_inputs,
+    program_outputs,
+)
 from hfexport.versions import require_backend
 
 logger = logging.getLogger("hfexport")
@@ -79,10 +87,14 @@ def partitioners(backend: str) -> list[Any]:
     raise ConfigError(f"ExecuTorch backend {backend!r} is not supported by this lowering; use 'xnnpack' or 'portable'")
 
 
-def to_edge(program: torch.export.ExportedProgram, partitioners: list[Any]) -> Any:
+def to_edge(
+    program: torch.export.ExportedProgram, partitioners: list[Any], state_from: dict[str, Any] | None = None
+) -> Any:
     """ATen → ExecuTorch edge dialect, keeping whole the ops the partitioners take undecomposed
     (linear, SDPA, … for XNNPACK), exactly as ``to_edge_transform_and_lower`` does before it
-    delegates; the delegation is the next stage so each can be dumped and timed."""
+    delegates; the delegation is the next stage so each can be dumped and timed. With
+    ``state_from`` (the sample's keyword inputs), a static cache's keys and values become the
+    program's state (:func:`cache_as_program_state`)."""
     from executorch.exir import EdgeCompileConfig
     from executorch.exir.program._program import _gen_edge_manager_for_partitioners
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -97,7 +109,114 @@ def to_edge(program: torch.export.ExportedProgram, partitioners: list[Any]) -> A
     drop_same_layout_copies(program)
     drop_same_shape_expands(program)
     infer_the_dynamic_view_axis(program)
+    if state_from is not None:
+        cache_as_program_state(program, state_from)
     return edge
+
+
+def cache_as_program_state(program: torch.export.ExportedProgram, sample: dict[str, Any]) -> list[str]:
+    """Keep a static cache's keys and values inside the program as mutable buffers (its state)
+    instead of inputs it writes back, and return their input paths.
+
+    The Python runtime copies every input into the program's planned memory and clones every
+    output, so a cache passed in and returned costs three copies of every layer's keys and values
+    per decode step; as state it stays where the program writes it. An input qualifies when the
+    program writes it, it is a floating-point tensor with a static batch axis (its other axes take
+    the sample's sizes: a static cache's are fixed), and only the ops writing it read it (a
+    delegate takes a buffer it reads as a constant). Token counters stay inputs, so a decode loop
+    still starts a sequence by zeroing them.
+
+    A buffer's initial value is the sample's (stored in the .pte and copied in when the program
+    loads), so verification on the sample is exact; any finite values serve, since a decode step
+    reads only the slots its attention mask marks written."""
+    from torch.export import graph_signature as gs
+
+    from hfexport.pipeline.io_names import program_io_names
+    from hfexport.targets.runner import flat_inputs
+
+    signature = program.graph_signature
+    written = {s.target for s in signature.output_specs if s.kind == gs.OutputKind.USER_INPUT_MUTATION}
+    user = [s for s in signature.input_specs if s.kind == gs.InputKind.USER_INPUT]
+    paths = dict(zip((id(s) for s in user), program_io_names(program)[0], strict=True))
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    values = flat_inputs(sample)
+    state: dict[str, str] = {}  # placeholder name -> input path
+    for spec in user:
+        name = getattr(spec.arg, "name", None)
+        node = nodes.get(name)
+        value = node.meta.get("val") if node is not None else None
+        if name not in written or not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point:
+            continue
+        if value.dim() < 2 or not isinstance(value.shape[0], int):
+            continue  # a dynamic batch: one buffer cannot hold every batch size
+        if not all(_edge_op(user, "aten::index_put") or _edge_op(user, "aten::copy") for user in node.users):
+            continue
+        if not isinstance(values.get(paths[id(spec)]), torch.Tensor):
+            continue
+        state[name] = paths[id(spec)]
+    if not state:
+        return []
+    inputs = []
+    for spec in signature.input_specs:
+        if spec.kind == gs.InputKind.USER_INPUT and getattr(spec.arg, "name", None) in state:
+            target = STATE_PREFIX + state[spec.arg.name]
+            initial = values[state[spec.arg.name]].detach().clone().contiguous()
+            program.state_dict[target] = initial
+            node = nodes[spec.arg.name]
+            # a buffer has the sample's sizes, not the symbolic ones of a dynamic input (the
+            # cache length is one): memory planning would size it by their upper bounds
+            node.meta["val"] = node.meta["val"].fake_mode.from_tensor(initial, static_shapes=True)
+            node.meta["et_init_buffer"] = True  # serialise the initial value
+            spec = gs.InputSpec(gs.InputKind.BUFFER, gs.TensorArgument(spec.arg.name), target, persistent=True)
+        inputs.append(spec)
+    outputs = [
+        gs.OutputSpec(gs.OutputKind.BUFFER_MUTATION, spec.arg, STATE_PREFIX + state[spec.target])
+        if spec.kind == gs.OutputKind.USER_INPUT_MUTATION and spec.target in state
+        else spec
+        for spec in signature.output_specs
+    ]
+    written_in_place = _write_state_in_place(program, inputs, outputs)
+    # ExecuTorch's write-back pass puts the mutations it copies before the ones written in place,
+    # and its emitter then drops buffer mutations by position: order the outputs that way first
+    output = program.graph.output_node()
+    order = sorted(
+        range(len(outputs)),
+        key=lambda i: (outputs[i].kind == gs.OutputKind.USER_OUTPUT, i in written_in_place),
+    )
+    output.args = (type(output.args[0])(output.args[0][i] for i in order),)
+    program._graph_signature = gs.ExportGraphSignature(inputs, [outputs[i] for i in order])
+    program.graph_module.recompile()
+    # the user inputs left, by their paths: a flat keyword spec replaces the cache's pytree
+    left = [paths[id(spec)] for spec in user if getattr(spec.arg, "name", None) not in state]
+    call = program.module_call_graph[0].signature
+    call.in_spec = torch.utils._pytree.tree_flatten(((), dict.fromkeys(left, 0)))[1]
+    call.inputs = [i for i in call.inputs if getattr(i, "name", None) not in state]
+    call.forward_arg_names = None
+    return sorted(state.values())
+
+
+def _write_state_in_place(program: torch.export.ExportedProgram, inputs: list[Any], outputs: list[Any]) -> set[int]:
+    """Make each state buffer's write (``index_put``, functional after decomposition) an
+    ``index_put_`` on the buffer itself, so the new rows land in the state with no copy of it; the
+    indices of the buffer-mutation outputs now written in place."""
+    from executorch.exir.dialects._ops import ops as exir_ops
+    from torch.export import graph_signature as gs
+
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    values = program.graph.output_node().args[0]
+    in_place = set()
+    for index, spec in enumerate(outputs):
+        if spec.kind != gs.OutputKind.BUFFER_MUTATION:
+            continue
+        write = values[index]
+        buffer = next(s.arg.name for s in inputs if s.target == spec.target)
+        if not _edge_op(write, "aten::index_put") or write.args[0] is not placeholders.get(buffer):
+            continue
+        if any(user is not write and not _edge_op(user, "aten::copy") for user in write.args[0].users):
+            continue
+        write.target = exir_ops.edge.aten.index_put_.default
+        in_place.add(index)
+    return in_place
 
 
 def drop_same_layout_copies(program: torch.export.ExportedProgram) -> int:
@@ -238,7 +357,10 @@ def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
         alloc_graph_output=config.alloc_graph_output,
         alloc_mutable_buffers=config.alloc_mutable_buffers,
     )
-    program = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
+    with warnings.catch_warnings():
+        # "buffers that are mutated ... have a meaningless initial state": ours carry one (et_init_buffer)
+        warnings.filterwarnings("ignore", message="Mutation on a buffer in the model is detected")
+        program = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
     planned = planned_memory_mb(program)
     run.current.counts["planned_memory_mb"] = round(planned)
     budget = config.max_planned_memory_mb or default_memory_budget_mb()
@@ -286,7 +408,9 @@ def run_pte(program: Any, inputs: dict[str, Any]) -> list[Any]:
     from hfexport.targets.executorch.runner import ExecutorchRunner
 
     runner = ExecutorchRunner(program)
-    outputs = runner.run(inputs)
+    # the program's state starts as the sample's values (cache_as_program_state): the sample's
+    # own are left out rather than refused
+    outputs = runner.run(inputs, state_given=True)
     return [o for spec, o in zip(runner.spec.outputs, outputs, strict=True) if spec.kind != "write_back"]
 
 

@@ -91,20 +91,29 @@ class ExecutorchRunner(Runner):
                         "max_batch_size or the Dim max and export again)"
                     )
 
-    def run(self, inputs: dict[str, Any]) -> list[Any]:
-        """The program's outputs, in order (write-backs of updated inputs included)."""
-        return list(self.execute(self.tensors(inputs)))
+    def run(self, inputs: dict[str, Any], state_given: bool = False) -> list[Any]:
+        """The program's outputs, in order (write-backs of updated inputs included); see
+        :meth:`~hfexport.targets.runner.Runner.ordered` for ``state_given``."""
+        return list(self.execute(self.tensors(inputs, state_given)))
 
-    def tensors(self, inputs: dict[str, Any]) -> list[Any]:
+    def tensors(self, inputs: dict[str, Any], state_given: bool = False) -> list[Any]:
         """The method's inputs, in its order, from the model's keyword inputs (checked; the runtime
         takes contiguous tensors only)."""
-        values = [value.contiguous() if isinstance(value, torch.Tensor) else value for _, value in self.ordered(inputs)]
+        values = [
+            value.contiguous() if isinstance(value, torch.Tensor) else value
+            for _, value in self.ordered(inputs, state_given)
+        ]
         self.check_planned(values)
         return values
 
-    def execute(self, values: list[Any]) -> Any:
-        """``method.execute`` with the runtime's failure as an :class:`~hfexport.HfExportError`."""
+    def execute(self, values: list[Any], clone_outputs: bool = True) -> Any:
+        """``method.execute`` with the runtime's failure as an :class:`~hfexport.HfExportError`.
+        ``clone_outputs=False`` returns tensors over the program's planned memory, valid until the
+        next call (``executorch.runtime.Method.execute`` always clones: its pybindings method
+        takes the flag)."""
         try:
+            if not clone_outputs:
+                return self.method._method(values, clone_outputs=False)
             return self.method.execute(values)
         except RuntimeError as error:
             shapes = ", ".join(
@@ -138,10 +147,14 @@ class ExecutorchDecoder(StaticCacheDecoder):
     """``step`` for :func:`~hfexport.generation.greedy_decode` over an exported static-cache decode
     ``.pte`` with its manifest (which names the inputs and the write-back of each cache input).
 
-    The Python runtime copies inputs into the method's planned buffers and does not expose
-    binding outputs onto inputs (``Method::set_output_data_ptr`` is C++ only), so each step reads
-    the updated cache back from the write-back outputs (which it returns as tensors of their own,
-    copied out of the planned memory: they are kept as they are, not copied again).
+    By default the program keeps the cache's keys and values as its state (see
+    :func:`~hfexport.targets.executorch.lowering.cache_as_program_state`) and only the token
+    counters go in and come back. A program that takes the whole cache as inputs
+    (``cache_in_program=False``) gets it fed every step: the Python runtime copies inputs into the
+    method's planned buffers and does not expose binding outputs onto inputs
+    (``Method::set_output_data_ptr`` is C++ only), so each step reads the updated cache back from
+    the write-back outputs. Outputs come uncloned, over the program's memory, and only the logits
+    and write-backs are copied out.
     """
 
     def __init__(self, source: str | Path | Any, batch_size: int, spec: ComponentSpec | None = None) -> None:
@@ -151,7 +164,7 @@ class ExecutorchDecoder(StaticCacheDecoder):
         self.spec = self.runner.spec
         self.check_batch_size(self.spec, batch_size)
         pairs = self.spec.write_backs
-        if not pairs:
+        if not pairs and not any(i.state for i in self.spec.inputs):
             raise HfExportError("the decode program writes no cache in place; export decode with a static cache")
         self.cache: dict[str, torch.Tensor] = {}
         for spec, bounds in zip(self.spec.fed, self.runner.upper_bounds, strict=True):
@@ -159,7 +172,10 @@ class ExecutorchDecoder(StaticCacheDecoder):
                 shape = list(spec.shape or bounds)
                 shape = [batch_size, *shape[1:]] if shape else []
                 self.cache[spec.path] = torch.zeros(shape, dtype=getattr(torch, spec.dtype or "float32"))
-        self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
+        # the keys and values the program keeps as its state are not fed: the loop resets only the
+        # token counters, and slots left from an earlier sequence are masked until written again
+        held = [i.shape for i in self.spec.inputs if i.state] + [list(t.shape) for t in self.cache.values()]
+        self.max_cache_len = max(shape[2] for shape in held if len(shape) == 4)
         outputs = self.spec.outputs
         self.written_at = {o.writes: i for i, o in enumerate(outputs) if o.kind == "write_back"}
         self.logits_index = next(i for i, o in enumerate(outputs) if o.kind == "tensor")
@@ -184,7 +200,8 @@ class ExecutorchDecoder(StaticCacheDecoder):
                     f"the decode program takes an input {spec.name!r} this decode loop does not provide"
                 )
         self.runner.check_planned(values)
-        outputs = self.runner.execute(values)
+        # only what is kept is copied out of the program's memory: not the cache it also returns
+        outputs = self.runner.execute(values, clone_outputs=False)
         for path, index in self.written_at.items():
-            self.cache[path] = outputs[index]
-        return outputs[self.logits_index]
+            self.cache[path] = outputs[index].clone()
+        return outputs[self.logits_index].clone()
