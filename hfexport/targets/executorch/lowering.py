@@ -149,7 +149,7 @@ def cache_as_program_state(program: torch.export.ExportedProgram, sample: dict[s
             continue
         if value.dim() < 2 or not isinstance(value.shape[0], int):
             continue  # a dynamic batch: one buffer cannot hold every batch size
-        if not all(_edge_op(user, "aten::index_put") or _edge_op(user, "aten::copy") for user in node.users):
+        if not all(_edge_op(reader, "aten::index_put") or _edge_op(reader, "aten::copy") for reader in node.users):
             continue
         if not isinstance(values.get(paths[id(spec)]), torch.Tensor):
             continue
