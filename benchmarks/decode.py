@@ -408,6 +408,8 @@ def peer_row(args, variant: str, model_name: str, folder: Path, model, reference
     row.prefill_tps = record["prompt_tokens"] / row.first_token_seconds
     quantized = "8da" in variant  # its bound: the whole artifact (the embedding may be quantized too)
     weight_bytes = row.artifact_mb * 2**20 if quantized else None
+    if quantized and "fp32-embedding" in variant:
+        weight_bytes -= embedding_bytes(model)  # a step reads one row of the fp32 table, as for hfexport's
     row.bound_tps = bandwidth * 1e9 / bytes_per_token(model, args.cache_len, weight_bytes)
     tokens = torch.cat([reference[:, :prompt_len], torch.tensor([record["token_ids"]])], dim=1)
     row.agreement = leading_agreement(tokens, reference, prompt_len)

@@ -92,6 +92,14 @@ def flat_tensors(outputs: Any) -> list[torch.Tensor]:
     return [leaf for leaf in torch.utils._pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
 
 
+def named_tensors(outputs: Any) -> dict[str, torch.Tensor]:
+    """The tensor leaves of a (pytree) output by path (``logits``, ``cache.layers.0.keys``)."""
+    from hfexport.pipeline.io_names import path_name
+
+    leaves = torch.utils._pytree.tree_flatten_with_path(outputs)[0]
+    return {path_name(path): leaf for path, leaf in leaves if isinstance(leaf, torch.Tensor)}
+
+
 register_artifact_kind(
     torch.export.ExportedProgram,
     ArtifactKind(

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from hfexport.errors import PassError, VerificationError
-from hfexport.pipeline.artifacts import artifact_kind, flat_tensors, node_count
+from hfexport.pipeline.artifacts import artifact_kind, flat_tensors, named_tensors, node_count
 from hfexport.pipeline.pass_manager import defining_file
 
 if TYPE_CHECKING:
@@ -221,6 +221,7 @@ class NumericsInstrument(Instrument):
         self.tolerance = tolerance
         self.each_pass = each_pass
         self.reference: list[torch.Tensor] = []
+        self.reference_by_name: dict[str, torch.Tensor] = {}
         self.inputs: dict[str, Any] = {}
         self.quantized = False
 
@@ -230,7 +231,9 @@ class NumericsInstrument(Instrument):
         self.inputs = run.inputs
         self.quantized = False
         with eval_mode(run.model):
-            self.reference = flat_tensors(run.model(**copy_inputs(run.inputs)))
+            eager = run.model(**copy_inputs(run.inputs))
+        self.reference = flat_tensors(eager)
+        self.reference_by_name = named_tensors(eager)
         if self.tolerance is None:
             self.tolerance = default_tolerance(run.model)
 
@@ -245,9 +248,16 @@ class NumericsInstrument(Instrument):
         if runner is None:
             return
         outputs = runner(program, self.inputs)
-        step.max_abs_diff = max_abs_diff(self.reference, outputs)
+        reference = self.reference
+        if isinstance(outputs, dict):  # by name; None for an output the program keeps as its state
+            if set(outputs) != set(self.reference_by_name):
+                reference = []  # a structure other than eager's: max_abs_diff says inf
+            else:
+                reference = [self.reference_by_name[name] for name, value in outputs.items() if value is not None]
+            outputs = [value for value in outputs.values() if value is not None]
+        step.max_abs_diff = max_abs_diff(reference, outputs)
         if self.quantized:
-            self._check_quantized(step, outputs)
+            self._check_quantized(step, reference, outputs)
         elif not step.max_abs_diff <= self.tolerance:
             where = (
                 f"pass {step.name!r} (stage {step.parent.name!r})" if step.kind == "pass" else f"stage {step.name!r}"
@@ -264,8 +274,8 @@ class NumericsInstrument(Instrument):
                 f"(tolerance {self.tolerance:g}); this is the first {step.kind} over the tolerance. {hint}."
             )
 
-    def _check_quantized(self, step: StepRecord, outputs: list[Any]) -> None:
-        cosine, top1 = agreement(self.reference, outputs)
+    def _check_quantized(self, step: StepRecord, reference: list[torch.Tensor], outputs: list[Any]) -> None:
+        cosine, top1 = agreement(reference, outputs)
         figures = f"quantized: logit cosine {cosine:.4f}, top-1 agreement {top1:.0%}"
         step.note = f"{step.note}; {figures}" if step.note else figures
         if not cosine >= MIN_QUANTIZED_COSINE:
@@ -276,7 +286,7 @@ class NumericsInstrument(Instrument):
             )
 
     def finish(self, run: PipelineRun, error: BaseException | None) -> None:
-        self.reference, self.inputs = [], {}
+        self.reference, self.reference_by_name, self.inputs = [], {}, {}
 
 
 # --- dumps ----------------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ class InputSpec:
 @dataclass
 class OutputSpec:
     """One output: ``kind`` is ``"tensor"``, ``"scalar"`` (a symbolic integer, such as a cache's
-    token counter) or ``"write_back"`` (the new value of the input ``writes``)."""
+    token counter), ``"write_back"`` (the new value of the input ``writes``) or ``"state"`` (an
+    output of the model the program keeps inside as its state and does not return)."""
 
     name: str
     path: str
@@ -75,6 +76,11 @@ class ComponentSpec:
     def fed(self) -> list[InputSpec]:
         """The inputs a caller feeds (constants and program state excluded), in the program's order."""
         return [spec for spec in self.inputs if spec.constant is None and not spec.state]
+
+    @property
+    def returned(self) -> list[OutputSpec]:
+        """The outputs the program returns, in its order (not those it keeps as its state)."""
+        return [o for o in self.outputs if o.kind != "state"]
 
     @property
     def write_backs(self) -> dict[str, str]:
@@ -217,7 +223,7 @@ def program_outputs(program: torch.export.ExportedProgram) -> list[tuple[str, st
     paths = program_io_names(program)[1]
     input_path = user_input_names(program)
     user_paths = iter(paths)
-    found = []
+    found = [(path, "state", None) for path in kept_inside(program.call_spec.out_spec)]
     for spec in program.graph_signature.output_specs:
         if spec.kind == OutputKind.USER_INPUT_MUTATION:
             target = input_path.get(spec.target, spec.target)
@@ -226,6 +232,18 @@ def program_outputs(program: torch.export.ExportedProgram) -> list[tuple[str, st
             kind = "tensor" if isinstance(spec.arg, TensorArgument) else "scalar"
             found.append((next(user_paths), kind, None))
     return found
+
+
+def kept_inside(out_spec: Any) -> list[str]:
+    """The outputs a program keeps as its state: the empty ``()`` entries of its flat output dict
+    (see :func:`hfexport.targets.executorch.lowering.cache_as_program_state`)."""
+    if out_spec is None or out_spec.type is not dict:
+        return []
+    return [
+        key
+        for key, child in zip(out_spec.context, out_spec.children(), strict=True)
+        if child.type is tuple and child.num_leaves == 0
+    ]
 
 
 def _jsonable(value: Any) -> Any:

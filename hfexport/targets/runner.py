@@ -46,7 +46,7 @@ class Runner:
 
     @property
     def output_names(self) -> list[str]:
-        return [o.name for o in self.spec.outputs]
+        return [o.name for o in self.spec.returned]
 
     def ordered(self, inputs: Any, state_given: bool = False) -> list[tuple[InputSpec, Any]]:
         """``(spec, value)`` for every fed input, in the program's order, each checked. An input the

@@ -336,8 +336,9 @@ def test_executorch_decode_defaults_to_one_row_and_delegates_each_layer_whole(tm
 
 
 def test_executorch_decode_keeps_the_cache_as_program_state_unless_switched_off(tmp_path):
-    """The cache's keys and values stay inside the program (no copy in or out per step); a caller
-    passing them is refused rather than ignored; ``cache_in_program=False`` feeds them again."""
+    """The cache's keys and values stay inside the program (no copy in or out per step, and not
+    returned either); a caller passing them is refused rather than ignored;
+    ``cache_in_program=False`` feeds them again."""
     from hfexport import ExecutorchConfig, HfExportError
     from hfexport.targets.executorch.runner import ExecutorchRunner
 
@@ -348,6 +349,11 @@ def test_executorch_decode_keeps_the_cache_as_program_state_unless_switched_off(
     spec = export.manifest.component("decode")
     runner = ExecutorchRunner(tmp_path / "state" / spec.file, spec)
     assert runner.method.metadata.num_inputs() == 2 + 3  # two counters, ids, positions, mask
+    # nor does the cache the model returns leave the program: the logits and the counters do
+    assert sorted(o.path for o in spec.outputs if o.kind == "state") == sorted(
+        f"cache.layers.{i}.{leaf}" for i in range(2) for leaf in ("keys", "values")
+    )
+    assert runner.method.metadata.num_outputs() == len(spec.returned) == 2 + 1 + 2
     with pytest.raises(HfExportError, match="keeps cache.layers.0.keys, .* inside as its state"):
         runner.run(decode_kwargs)
 

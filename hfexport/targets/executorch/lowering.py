@@ -176,21 +176,36 @@ def cache_as_program_state(program: torch.export.ExportedProgram, sample: dict[s
         for spec in signature.output_specs
     ]
     written_in_place = _write_state_in_place(program, inputs, outputs)
+    output = program.graph.output_node()
+    values = list(output.args[0])
+    # the model also returns the cache: the state's new values need not leave the program (the
+    # runtime would hand each one over every step); the flat output spec keeps their names, as ()
+    state_values = {values[i] for i in written_in_place}
+    names = iter(program_io_names(program)[1])
+    kept_names: dict[str, Any] = {}
+    kept = []
+    for index, spec in enumerate(outputs):
+        if spec.kind != gs.OutputKind.USER_OUTPUT:
+            kept.append(index)
+            continue
+        name = next(names)
+        returned = values[index] not in state_values
+        kept_names[name] = 0 if returned else ()
+        if returned:
+            kept.append(index)
     # ExecuTorch's write-back pass puts the mutations it copies before the ones written in place,
     # and its emitter then drops buffer mutations by position: order the outputs that way first
-    output = program.graph.output_node()
-    order = sorted(
-        range(len(outputs)),
-        key=lambda i: (outputs[i].kind == gs.OutputKind.USER_OUTPUT, i in written_in_place),
-    )
-    output.args = (type(output.args[0])(output.args[0][i] for i in order),)
+    order = sorted(kept, key=lambda i: (outputs[i].kind == gs.OutputKind.USER_OUTPUT, i in written_in_place))
+    output.args = (type(output.args[0])(values[i] for i in order),)
     program._graph_signature = gs.ExportGraphSignature(inputs, [outputs[i] for i in order])
     program.graph_module.recompile()
     # the user inputs left, by their paths: a flat keyword spec replaces the cache's pytree
     left = [paths[id(spec)] for spec in user if getattr(spec.arg, "name", None) not in state]
     call = program.module_call_graph[0].signature
     call.in_spec = torch.utils._pytree.tree_flatten(((), dict.fromkeys(left, 0)))[1]
+    call.out_spec = torch.utils._pytree.tree_flatten(kept_names)[1]
     call.inputs = [i for i in call.inputs if getattr(i, "name", None) not in state]
+    call.outputs = [o for o in call.outputs if getattr(o, "name", None) not in {v.name for v in state_values}]
     call.forward_arg_names = None
     return sorted(state.values())
 
@@ -410,8 +425,14 @@ def run_pte(program: Any, inputs: dict[str, Any]) -> list[Any]:
     runner = ExecutorchRunner(program)
     # the program's state starts as the sample's values (cache_as_program_state): the sample's
     # own are left out rather than refused
-    outputs = runner.run(inputs, state_given=True)
-    return [o for spec, o in zip(runner.spec.outputs, outputs, strict=True) if spec.kind != "write_back"]
+    returned = iter(runner.run(inputs, state_given=True))
+    user = {}
+    for spec in runner.spec.outputs:
+        value = None if spec.kind == "state" else next(returned)
+        if spec.kind != "write_back":
+            user[spec.path] = value
+    # a program keeping state returns its outputs by name (the ones it keeps inside as None)
+    return user if None in user.values() else list(user.values())
 
 
 def _snapshot(edge: Any) -> Any:

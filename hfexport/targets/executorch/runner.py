@@ -176,7 +176,7 @@ class ExecutorchDecoder(StaticCacheDecoder):
         # token counters, and slots left from an earlier sequence are masked until written again
         held = [i.shape for i in self.spec.inputs if i.state] + [list(t.shape) for t in self.cache.values()]
         self.max_cache_len = max(shape[2] for shape in held if len(shape) == 4)
-        outputs = self.spec.outputs
+        outputs = self.spec.returned
         self.written_at = {o.writes: i for i, o in enumerate(outputs) if o.kind == "write_back"}
         self.logits_index = next(i for i, o in enumerate(outputs) if o.kind == "tensor")
         self.masks = DecodeMasks.from_input_paths(
