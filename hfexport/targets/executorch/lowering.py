@@ -177,10 +177,10 @@ def cache_as_program_state(program: torch.export.ExportedProgram, sample: dict[s
     ]
     written_in_place = _write_state_in_place(program, inputs, outputs)
     output = program.graph.output_node()
-    values = list(output.args[0])
+    results = list(output.args[0])
     # the model also returns the cache: the state's new values need not leave the program (the
     # runtime would hand each one over every step); the flat output spec keeps their names, as ()
-    state_values = {values[i] for i in written_in_place}
+    state_values = {results[i] for i in written_in_place}
     names = iter(program_io_names(program)[1])
     kept_names: dict[str, Any] = {}
     kept = []
@@ -189,14 +189,14 @@ def cache_as_program_state(program: torch.export.ExportedProgram, sample: dict[s
             kept.append(index)
             continue
         name = next(names)
-        returned = values[index] not in state_values
+        returned = results[index] not in state_values
         kept_names[name] = 0 if returned else ()
         if returned:
             kept.append(index)
     # ExecuTorch's write-back pass puts the mutations it copies before the ones written in place,
     # and its emitter then drops buffer mutations by position: order the outputs that way first
     order = sorted(kept, key=lambda i: (outputs[i].kind == gs.OutputKind.USER_OUTPUT, i in written_in_place))
-    output.args = (type(output.args[0])(values[i] for i in order),)
+    output.args = (type(output.args[0])(results[i] for i in order),)
     program._graph_signature = gs.ExportGraphSignature(inputs, [outputs[i] for i in order])
     program.graph_module.recompile()
     # the user inputs left, by their paths: a flat keyword spec replaces the cache's pytree
@@ -205,7 +205,8 @@ def cache_as_program_state(program: torch.export.ExportedProgram, sample: dict[s
     call.in_spec = torch.utils._pytree.tree_flatten(((), dict.fromkeys(left, 0)))[1]
     call.out_spec = torch.utils._pytree.tree_flatten(kept_names)[1]
     call.inputs = [i for i in call.inputs if getattr(i, "name", None) not in state]
-    call.outputs = [o for o in call.outputs if getattr(o, "name", None) not in {v.name for v in state_values}]
+    dropped = {node.name for node in state_values}
+    call.outputs = [o for o in call.outputs if getattr(o, "name", None) not in dropped]
     call.forward_arg_names = None
     return sorted(state.values())
 
