@@ -189,15 +189,17 @@ def test_multimodal_single_graph_runs_in_onnx_runtime(kind, tmp_path):
     torch.testing.assert_close(logits, eager(model, inputs).logits, atol=1e-4, rtol=0)
 
 
-def test_default_passes_fuse_rms_norms_and_attention_matmuls_and_keep_the_numbers():
+def test_default_passes_fuse_rms_norms_rotary_embeddings_and_attention_matmuls_and_keep_the_numbers():
     model = build("tiny-llama")
     result = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True, verify=True))  # 1e-4 of eager
     (record,) = [p for s in result.records for p in s.children if p.name == "onnx_ort_fusions"]
-    # 2 layers: 4 RMS norms fused with their residual adds, the final norm alone
-    assert record.counts == {"rms_normalization": 5, "skip_rms_normalization": 4}
+    # 2 layers: 4 RMS norms fused with their residual adds, the final norm alone; each layer's
+    # query and key rotations as ONNX Runtime's RotaryEmbedding, over one cos / sin for all layers
+    assert record.counts == {"rms_normalization": 5, "skip_rms_normalization": 4, "rotary_embedding": 4}
     ops = collections.Counter(node.op_type for node in result.program.model.graph)
     assert ops["SkipSimplifiedLayerNormalization"] == 4 and ops["SimplifiedLayerNormalization"] == 1
     assert ops["Pow"] == ops["Sqrt"] == ops["Reciprocal"] == 0
+    assert ops["RotaryEmbedding"] == 4 and ops["Neg"] == 0 and ops["Cos"] == ops["Sin"] == 1
     # attention as q @ kᵀ · scale: the keys are not scaled, the mask made additive once for all layers
     assert ops["IsNaN"] == 0 and ops["Where"] == 1 and ops["Softmax"] == 2
     without = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True, optimize=False))
