@@ -21,7 +21,8 @@ one graph serves the prompt and every step) and measures:
 - the teacher-forced top-1 agreement: eager fp32's own 64 greedy tokens after the chat prompt
   "What is the capital of France?" fed to the exported graph in one call, and the fraction of
   those positions where it picks the same next token as eager; and, for real checkpoints, the
-  greedy answer's first line (does it still say Paris?).
+  first line of the greedy answers to both prompts (does it still say Paris?). A peer's row
+  quotes its answer to the timed prompt only.
 
 The bound of an fp32 row counts the model's weights once (a tied embedding table once, although an
 ExecuTorch .pte stores it twice: as the table and as XNNPACK's packed output projection); a
@@ -66,6 +67,7 @@ from stages_and_latency import SIZES  # the mid-size Llama of the stage benchmar
 QUESTION = "What is the capital of France? Answer in one sentence, then name two famous museums there."
 # the teacher-forced agreement: the model's own 64 greedy tokens after this chat prompt
 TEACHER_FORCED_QUESTION = "What is the capital of France?"
+SHORT_ANSWER_TOKENS = 24  # the greedy answer to TEACHER_FORCED_QUESTION that the table quotes
 TEACHER_FORCED_TOKENS = 64
 
 
@@ -87,6 +89,7 @@ class Row:
     agreement: str = ""
     top1: float | None = None  # teacher-forced top-1 agreement with eager fp32
     answer: str = ""  # the greedy answer's text (real checkpoints)
+    short_answer: str = ""  # the greedy answer to the teacher-forced prompt (real checkpoints)
 
 
 def memory_bandwidth_gbs(repeats: int = 5) -> float:
@@ -148,7 +151,11 @@ class TeacherForced:
         with torch.no_grad():
             self.tokens = model.generate(ids, generation_config=config)
             self.logits = model(self.tokens).logits
-        self.prompt_len = ids.shape[1]
+        self.ids, self.prompt_len = ids, ids.shape[1]
+
+    def answer(self, step, cache_len: int, eos) -> torch.Tensor:
+        """The step's own greedy continuation of the prompt (its first ``SHORT_ANSWER_TOKENS``)."""
+        return greedy_decode(step, self.ids, SHORT_ANSWER_TOKENS, cache_len, eos_token_id=eos)
 
     def top1(self, step, cache_len: int) -> float:
         length = self.tokens.shape[1]
@@ -320,6 +327,8 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
         bound = bandwidth * 1e9 / bytes_per_token(model, args.cache_len)
         row.bandwidth_gbs, row.bound_tps, row.agreement, row.top1 = bandwidth, bound, "reference", 1.0
         row.answer = answer_text(tokenizer, reference, ids.shape[1])
+        short = teacher.tokens[:, : teacher.prompt_len + SHORT_ANSWER_TOKENS]
+        row.short_answer = answer_text(tokenizer, short, teacher.prompt_len)
         rows.append(row)
         print(f"{model_name} eager: decode {decode:.1f} tok/s (bound {bound:.1f})", file=sys.stderr)
         static = GenerationConfig(cache_implementation="static", max_cache_len=args.cache_len)
@@ -357,7 +366,9 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
                     args.repeats,
                 )
                 row.top1 = teacher.top1(load(), args.cache_len)
+                short = teacher.answer(load(), args.cache_len, eos)
             row.answer = answer_text(tokenizer, tokens, ids.shape[1])
+            row.short_answer = answer_text(tokenizer, short, teacher.prompt_len)
             row.first_token_seconds, row.prefill_tps, row.decode_tps = first, prefill, decode
             quantized = getattr(config, "quantize", None)
             weight_bytes = row.artifact_mb * 2**20 - embedding_bytes(model) if quantized else None
@@ -443,6 +454,10 @@ def markdown(rows: list[Row], bandwidth_note: str, threads: int) -> str:
     if answers:
         lines += ["", "Greedy answers (first line):", ""]
         lines += [f"- {r.model} {r.target}: {r.answer.splitlines()[0]!r}" for r in answers]
+    short = [r for r in rows if r.short_answer]
+    if short:
+        lines += ["", f"Greedy answers to {TEACHER_FORCED_QUESTION!r} (the teacher-forced prompt, first line):", ""]
+        lines += [f"- {r.model} {r.target}: {r.short_answer.splitlines()[0]!r}" for r in short]
     return "\n".join(lines) + "\n"
 
 
