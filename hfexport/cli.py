@@ -155,7 +155,15 @@ def _export(args: argparse.Namespace) -> int:
 
         components = [c.strip() for c in args.components.split(",") if c.strip()] if args.components else None
         by_component = run_for_generation(
-            model, inputs, configs, generation_config, True, progress, on_component=announce, components=components
+            model,
+            inputs,
+            configs,
+            generation_config,
+            True,
+            progress,
+            on_component=announce,
+            components=components,
+            skip_unused_prefill=components is None,
         )
         for export_format, folder in folders.items():
             results = {name: by_target[export_format] for name, by_target in by_component.items()}
@@ -318,13 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--batch", type=positive_int, default=2, help="sample batch size (default 2)")
     export.add_argument("--seq", type=positive_int, default=8, help="sample sequence length (default 8)")
     export.add_argument(
-        "--generation", action="store_true", help="export prefill and a static-cache decode graph (implies --dynamic)"
+        "--generation",
+        action="store_true",
+        help="export the generation components `hfexport generate` needs: a static-cache decode graph that "
+        "takes the prompt too, and a prefill only where decode takes one token (implies --dynamic)",
     )
     export.add_argument("--max-cache-len", type=positive_int, default=64, help="static cache length with --generation")
     export.add_argument(
         "--components",
-        help="with --generation, the comma-separated components to export (default all; `hfexport generate` "
-        "needs only decode)",
+        help="with --generation, the comma-separated components to export (default: all but a decoder-only "
+        "model's prefill when its decode takes the prompt; e.g. prefill,decode)",
     )
     export.set_defaults(run=_export)
 

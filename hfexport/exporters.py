@@ -195,14 +195,17 @@ def run_for_generation(
     exporters: Sequence[HfExporter] | None = None,
     on_component: Callable[[str, int, int], None] | None = None,
     components: Sequence[str] | None = None,
+    skip_unused_prefill: bool = False,
 ) -> dict[str, dict[str, PipelineResult]]:
     """Export each component of ``model``'s generation loop to each target of ``configs`` (each a
     config, or ``{component: config}``), one capture per component: ``{component: {export_format:
     result}}``. With a ``dump_dir``, each component dumps into its own subfolder. A failing component
     raises :class:`~hfexport.HfExportError` naming it. ``on_component(name, index, count)`` is
     called as each component starts (the command line prints a progress line). ``components``
-    names the ones to export (default: all); hfexport's decode loops need only ``decode`` when it
-    takes several tokens (``multi_token_decode=True``)."""
+    names the ones to export (default: all). ``skip_unused_prefill`` leaves out a decoder-only
+    model's ``prefill`` when its ``decode`` takes several tokens (``multi_token_decode=True``,
+    and not a recurrent model's one-token step): hfexport's decode loops feed that ``decode`` the
+    whole prompt and never run the prefill (the command line's default)."""
     from hfexport.models.generation import decompose_for_generation
 
     if any(_batch_of_one(config) for config in configs):
@@ -215,6 +218,8 @@ def run_for_generation(
             f"{', '.join(found)}"
         )
     selected = {name: found[name] for name in found if components is None or name in components}
+    if skip_unused_prefill and set(found) == {"prefill", "decode"} and _takes_several_tokens(found["decode"][1]):
+        selected.pop("prefill", None)
     results = {}
     for index, (name, (module, kwargs)) in enumerate(selected.items()):
         if on_component is not None:
@@ -243,6 +248,11 @@ def run_for_generation(
         except Exception as error:
             raise HfExportError(f"component {name!r} failed: {type(error).__name__}: {error}") from error
     return results
+
+
+def _takes_several_tokens(kwargs: dict[str, Any]) -> bool:
+    ids = kwargs.get("input_ids")
+    return isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1
 
 
 def _batch_of_one(config: Any) -> bool:

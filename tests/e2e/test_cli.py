@@ -108,14 +108,12 @@ def test_export_for_generation_then_generate(tmp_path, preset):
     export = run(
         "export", preset, "--format", "dynamo", "--dynamic", "--generation", "--max-cache-len", "32", "--out", out
     )
-    assert (out / "prefill.pt2").is_file() and (out / "decode.pt2").is_file()
+    # the decode graph takes the prompt, so the prefill `generate` never runs is not exported
+    assert (out / "decode.pt2").is_file() and not (out / "prefill.pt2").exists()
     # progress per component and per stage
     lines = export.stderr.splitlines()
-    assert [line for line in lines if line.startswith("component ")] == [
-        "component 1/2: prefill",
-        "component 2/2: decode",
-    ]
-    assert sum(line.startswith("[1/2] capture done") for line in lines) == 2
+    assert [line for line in lines if line.startswith("component ")] == ["component 1/1: decode"]
+    assert sum(line.startswith("[1/2] capture done") for line in lines) == 1
     result = run("generate", out, "--prompt-ids", "5,9,14,2,77", "--max-new-tokens", "8")
     model = build(preset)
     with torch.no_grad():
@@ -125,11 +123,14 @@ def test_export_for_generation_then_generate(tmp_path, preset):
     assert result.stdout.strip().splitlines()[-1] == ",".join(map(str, expected[0, 5:].tolist()))
 
 
-def test_generation_export_of_the_decode_component_alone_generates(tmp_path):
+def test_generation_export_of_the_components_asked_for_generates(tmp_path):
     out = tmp_path / "gen"
-    export = run("export", "tiny-llama", "--generation", "--components", "decode", "--out", out)
-    assert [line for line in export.stderr.splitlines() if line.startswith("component ")] == ["component 1/1: decode"]
-    assert (out / "decode.pt2").is_file() and not (out / "prefill.pt2").exists()
+    export = run("export", "tiny-llama", "--generation", "--components", "prefill,decode", "--out", out)
+    assert [line for line in export.stderr.splitlines() if line.startswith("component ")] == [
+        "component 1/2: prefill",
+        "component 2/2: decode",
+    ]
+    assert (out / "prefill.pt2").is_file() and (out / "decode.pt2").is_file()
     result = run("generate", out, "--prompt-ids", "5,9,14", "--max-new-tokens", "4")
     model = build("tiny-llama")
     with torch.no_grad():

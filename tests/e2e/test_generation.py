@@ -484,6 +484,11 @@ def test_mamba_prefill_and_decode_with_its_recurrent_state_as_cache(caplog):
         (ExecutorchExporter(), ExecutorchConfig(dynamic=True, verify=True), (STATIC, True)),
     ]:
         assert set(exporter.export_for_generation(model, inputs, config, *generation)) == {"prefill", "decode"}
+    # so the command line's default keeps its prefill, which a one-token decode cannot replace
+    from hfexport import run_for_generation
+
+    kept = run_for_generation(model, inputs, [DynamoConfig(dynamic=True)], STATIC, True, skip_unused_prefill=True)
+    assert set(kept) == {"prefill", "decode"}
 
 
 @pytest.mark.slow  # 80 s: make test-all (as Qwen2-VL's below, 60 s), to keep make test under 30 minutes
