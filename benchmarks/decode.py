@@ -21,8 +21,8 @@ one graph serves the prompt and every step) and measures:
 - the teacher-forced top-1 agreement: eager fp32's own 64 greedy tokens after the chat prompt
   "What is the capital of France?" fed to the exported graph in one call, and the fraction of
   those positions where it picks the same next token as eager; and, for real checkpoints, the
-  first line of the greedy answers to both prompts (does it still say Paris?). A peer's row
-  quotes its answer to the timed prompt only.
+  first line of the greedy answers to both prompts (does it still say Paris?). A peer's
+  teacher-forced figures come from ``peers.py --teacher`` (its program fed the same tokens).
 
 The bound of an fp32 row counts the model's weights once (a tied embedding table once, although an
 ExecuTorch .pte stores it twice: as the table and as XNNPACK's packed output projection); a
@@ -34,8 +34,9 @@ Peers in the same run: with ``--peers-dir DIR`` (the folder holding ``venv-onnx`
 the checkout: see the README), each ``--peers`` variant of a real checkpoint is exported and timed by
 ``benchmarks/peers.py`` under its peer's own Python, one variant per process, and gets a row of the
 same table: export wall and CPU time, peak RSS, artifact, load, first token, decode tokens/s and
-greedy agreement with the same eager reference (it has no teacher-forced figure: the peers' Python
-greedy loops take no forced tokens). A quantized peer row's bound counts its whole artifact.
+greedy agreement with the same eager reference, and the teacher-forced top-1 and answer (its
+program fed eager's tokens: ``peers.py --teacher``). A quantized peer row's bound counts its whole
+artifact (less an fp32 embedding table).
 
 Writes ``decode.md`` (the table) and ``decode.png`` (tokens/s per target against each model's
 bound) into ``--out``. Ratios are what to read: the machine is shared and noisy.
@@ -162,8 +163,13 @@ class TeacherForced:
         valid = torch.zeros(1, cache_len, dtype=torch.long)
         valid[:, :length] = 1
         logits = torch.as_tensor(step(self.tokens, valid, torch.arange(length), torch.arange(length)[None]))
-        span = slice(self.prompt_len - 1, length - 1)  # the predictions of the new tokens
-        return float((logits[0, span].argmax(-1) == self.logits[0, span].argmax(-1)).double().mean())
+        return self.agreement(logits.argmax(-1))
+
+    def agreement(self, predictions: torch.Tensor) -> float:
+        """The fraction of the new tokens' positions where ``predictions`` ([1, length] next-token
+        argmaxes over ``tokens``) pick eager's token."""
+        span = slice(self.prompt_len - 1, self.tokens.shape[1] - 1)  # the predictions of the new tokens
+        return float((predictions[0, span] == self.logits[0, span].argmax(-1)).double().mean())
 
 
 def timed_generation(step_factory, ids: torch.Tensor, new_tokens: int, cache_len: int, eos, repeats: int):
@@ -384,7 +390,7 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
             )
         if folder is not None:
             for variant in args.peers:
-                row = peer_row(args, variant, model_name, folder, model, reference, ids.shape[1])
+                row = peer_row(args, variant, model_name, folder, model, reference, ids.shape[1], teacher, tokenizer)
                 if row is not None:
                     rows.append(row)
     return rows
@@ -393,7 +399,7 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
 PEERS_SCRIPT = Path(__file__).parent / "peers.py"
 
 
-def peer_row(args, variant: str, model_name: str, folder: Path, model, reference, prompt_len: int):
+def peer_row(args, variant: str, model_name: str, folder: Path, model, reference, prompt_len: int, teacher, tokenizer):
     """One peer variant's row, measured by ``peers.py`` under the peer's own venv (``None`` if it failed)."""
     runtime = "onnx" if variant.startswith("optimum-onnx") else "executorch"
     python = Path(args.peers_dir) / f"venv-{runtime}" / "bin" / "python"
@@ -402,6 +408,9 @@ def peer_row(args, variant: str, model_name: str, folder: Path, model, reference
         command = [str(python), str(PEERS_SCRIPT), "--folder", str(folder), "--variant", variant]
         command += ["--threads", str(args.threads), "--new-tokens", str(args.new_tokens)]
         command += ["--repeats", str(args.repeats), "--cache-len", str(args.cache_len), "--out", str(out)]
+        forced = {"ids": teacher.tokens[0].tolist(), "prompt_len": teacher.prompt_len}
+        (Path(work) / "teacher.json").write_text(json.dumps({**forced, "answer_tokens": SHORT_ANSWER_TOKENS}))
+        command += ["--teacher", str(Path(work) / "teacher.json")]
         print(f"{model_name} {variant}: {' '.join(command)}", file=sys.stderr)
         subprocess.run(command, check=False)
         bandwidth = memory_bandwidth_gbs()
@@ -427,6 +436,9 @@ def peer_row(args, variant: str, model_name: str, folder: Path, model, reference
     if record["prompt_tokens"] != prompt_len:
         row.agreement += f" (its prompt: {record['prompt_tokens']} tokens)"
     row.answer = record["text"].strip()
+    if record.get("teacher_predictions"):
+        row.top1 = teacher.agreement(torch.tensor([record["teacher_predictions"]]))
+        row.short_answer = tokenizer.decode(record["teacher_answer_ids"], skip_special_tokens=True).strip()
     print(f"{model_name} {variant}: decode {row.decode_tps:.1f} tok/s, {row.agreement}", file=sys.stderr)
     return row
 

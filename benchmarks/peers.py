@@ -33,7 +33,11 @@ Per variant the JSON record holds:
 - greedy generation of ``--new-tokens`` tokens after the chat prompt that the checkpoint's chat template builds
   from the one user message ``QUESTION`` (``add_generation_prompt=True``): time to first token and decode tokens/s
   (``(new tokens - 1) / (time from the first to the last token)``), each the median of ``--repeats`` runs after
-  one warm-up run, every run's figures, the first measured run's token ids and their decoded text.
+  one warm-up run, every run's figures, the first measured run's token ids and their decoded text;
+- with ``--teacher FILE`` (JSON: ``ids``, ``prompt_len``, ``answer_tokens``; ``decode.py`` writes it): the
+  variant's next-token argmax at every position of ``ids`` (eager's greedy continuation of a prompt, fed as
+  given: teacher forcing) in ``teacher_predictions``, and its own greedy answer to ``ids[:prompt_len]`` in
+  ``teacher_answer_ids``.
 
 Threads: ``torch.set_num_threads(threads)`` everywhere (the export child too); ONNX Runtime's session gets
 ``intra_op_num_threads=threads`` and ``inter_op_num_threads=1``; ExecuTorch's shared threadpool (the one XNNPACK
@@ -154,6 +158,8 @@ class Record:
     runs_agree: bool = True
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    teacher_predictions: list[int] = field(default_factory=list)
+    teacher_answer_ids: list[int] = field(default_factory=list)
     error: str = ""  # the exception that stopped this variant, if any
 
 
@@ -206,9 +212,10 @@ def artifact_files(out: Path) -> dict[str, float]:
 
 # generate(prompt ids, new tokens) -> (new token ids, start time, the time each new token was known)
 Generate = Callable[[list[int], int], tuple[list[int], float, list[float]]]
+Predict = Callable[[list[int]], list[int]]  # the next-token argmax at each position of the ids, teacher-forced
 
 
-def load_onnx(out: Path, threads: int) -> tuple[Generate, float, str]:
+def load_onnx(out: Path, threads: int) -> tuple[Generate, Predict, float, str]:
     """An ``ORTModelForCausalLM`` on the exported folder (a streamer notes when each new token arrives), the
     seconds ``from_pretrained`` took (the imports left out) and how the threads were set."""
     import onnxruntime
@@ -248,11 +255,17 @@ def load_onnx(out: Path, threads: int) -> tuple[Generate, float, str]:
         )
         return tokens[0, len(ids) :].tolist(), start, streamer.stamps[1:]  # the streamer sees the prompt first
 
+    def predict(ids: list[int]) -> list[int]:
+        input_ids = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
+        return logits[0].argmax(-1).tolist()
+
     control = f"onnxruntime SessionOptions intra_op_num_threads={threads}, inter_op_num_threads=1"
-    return generate, load_seconds, control
+    return generate, predict, load_seconds, control
 
 
-def load_executorch(out: Path, threads: int) -> tuple[Generate, float, str]:
+def load_executorch(out: Path, threads: int) -> tuple[Generate, Predict, float, str]:
     """An ``ExecuTorchModelForCausalLM`` on the exported ``.pte`` (its forward wrapped to note each call's end), the
     seconds ``from_pretrained`` took (the imports left out) and how the threads were set."""
     from executorch.extension.pybindings.portable_lib import _threadpool_get_thread_count, _unsafe_reset_threadpool
@@ -280,11 +293,17 @@ def load_executorch(out: Path, threads: int) -> tuple[Generate, float, str]:
         # each new token is the argmax of one forward call's logits: the last len(tokens) calls
         return tokens, start, stamps[-len(tokens) :]
 
+    def predict(ids: list[int]) -> list[int]:
+        import torch
+
+        # one token per call at its cache position, as generate feeds the program
+        return [int(forward(torch.tensor([[t]]), torch.tensor([i]))[0, -1].argmax()) for i, t in enumerate(ids)]
+
     control = (
         f"executorch pybindings _unsafe_reset_threadpool({threads}) before loading; "
         f"_threadpool_get_thread_count()={_threadpool_get_thread_count()}"
     )
-    return generate, load_seconds, control
+    return generate, predict, load_seconds, control
 
 
 # --- measurement -------------------------------------------------------------------------------------------------
@@ -339,7 +358,15 @@ def run_figures(tokens: list[int], start: float, stamps: list[float]) -> dict[st
     return {"new_tokens": len(tokens), "first_token_seconds": first, "decode_tokens_per_second": decode}
 
 
-def measure(variant: Variant, folder: Path, threads: int, new_tokens: int, repeats: int, keep: Path | None) -> Record:
+def measure(
+    variant: Variant,
+    folder: Path,
+    threads: int,
+    new_tokens: int,
+    repeats: int,
+    keep: Path | None,
+    teacher: dict[str, Any] | None = None,
+) -> Record:
     """Export, load and time greedy generation of one variant; a failure is kept in ``Record.error``."""
     import torch
 
@@ -356,7 +383,7 @@ def measure(variant: Variant, folder: Path, threads: int, new_tokens: int, repea
         record.artifact_files = artifact_files(out)
         record.artifact_mib = sum(record.artifact_files.values())
         loader = load_onnx if variant.runtime == "onnx" else load_executorch
-        generate, record.load_seconds, record.thread_control = loader(out, threads)
+        generate, predict, record.load_seconds, record.thread_control = loader(out, threads)
         record.thread_control += f"; torch.set_num_threads({threads})"
         outputs = []
         for _ in range(repeats + 1):  # the first run warms up
@@ -370,6 +397,10 @@ def measure(variant: Variant, folder: Path, threads: int, new_tokens: int, repea
         record.new_tokens = len(outputs[1])
         record.runs_agree = all(tokens == outputs[1] for tokens in outputs)
         record.text = tokenizer.decode(outputs[1], skip_special_tokens=True)
+        if teacher is not None:
+            record.teacher_predictions = predict(teacher["ids"])
+            prompt = teacher["ids"][: teacher["prompt_len"]]
+            record.teacher_answer_ids = generate(prompt, teacher["answer_tokens"])[0]
         record.runtime_peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if keep is not None:
             shutil.copytree(out, keep / variant.name.replace(":", "-"), dirs_exist_ok=True)
@@ -405,6 +436,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="the JSON file to write (a list of records, one per variant)")
     parser.add_argument("--keep", type=Path, help="copy each variant's exported folder under this directory")
     parser.add_argument("--list", action="store_true", help="print the variants and their options, and exit")
+    parser.add_argument("--teacher", type=Path, help="JSON {ids, prompt_len, answer_tokens}: teacher-forced argmaxes")
     parser.add_argument("--export-only", type=Path, help=argparse.SUPPRESS)  # the child process's export
     args = parser.parse_args()
     known = variants(args.cache_len)
@@ -432,7 +464,8 @@ def main() -> None:
         args.keep.mkdir(parents=True, exist_ok=True)
     records = []
     for name in args.variant:
-        record = measure(known[name], folder, args.threads, args.new_tokens, args.repeats, args.keep)
+        teacher = json.loads(args.teacher.read_text()) if args.teacher else None
+        record = measure(known[name], folder, args.threads, args.new_tokens, args.repeats, args.keep, teacher)
         records.append(asdict(record))
         if record.error:
             print(f"{name}: failed: {record.error}", file=sys.stderr)
