@@ -204,3 +204,28 @@ def test_default_passes_fuse_rms_norms_rotary_embeddings_and_attention_matmuls_a
     assert ops["IsNaN"] == 0 and ops["Where"] == 1 and ops["Softmax"] == 2
     without = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True, optimize=False))
     assert not any(p.name == "onnx_ort_fusions" for s in without.records for p in s.children)
+
+
+def test_save_writes_one_file_a_weight_at_a_time_that_loads_as_torch_onnx_saves_it(tmp_path):
+    import onnx
+    from onnx import numpy_helper
+
+    from hfexport.targets.onnx.lowering import save_onnx
+
+    model = build("tiny-llama")
+    program = OnnxExporter().export(model, sample_inputs(model, 2, 8), config=OnnxConfig(dynamic=True))
+    names = list(program.model.graph.initializers)
+    save_onnx(program, tmp_path / "ours.onnx")
+    assert list(program.model.graph.initializers) == names  # the program keeps its weights
+    program.save(tmp_path / "torch.onnx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.onnx", "torch.onnx"]  # no external data
+    ours, theirs = onnx.load(tmp_path / "ours.onnx"), onnx.load(tmp_path / "torch.onnx")
+    weights = {t.name: numpy_helper.to_array(t) for t in ours.graph.initializer}
+    expected = {t.name: numpy_helper.to_array(t) for t in theirs.graph.initializer}
+    assert len(weights) == len(ours.graph.initializer) == len(names) > 0
+    assert weights.keys() == expected.keys()
+    assert all((weights[name] == expected[name]).all() for name in names)
+    assert [n.op_type for n in ours.graph.node] == [n.op_type for n in theirs.graph.node]
+    inputs = sample_inputs(model, 1, 5)
+    got = OnnxRunner(tmp_path / "ours.onnx").run_dict(inputs)["logits"]
+    torch.testing.assert_close(torch.from_numpy(got), main_output(eager(model, inputs)), atol=1e-4, rtol=0)
