@@ -159,7 +159,6 @@ def onnx_histogram(program: torch.onnx.ONNXProgram) -> collections.Counter:
 # torch.onnx's own threshold: above it the weights go to external data next to the file, below the
 # 2 GB a protobuf message may hold
 _ONE_FILE_BYTES = 1536 * 2**20
-_GRAPH_FIELD = b"\x3a"  # ModelProto.graph: field 7, length-delimited
 
 
 def save_onnx(program: torch.onnx.ONNXProgram, path: Path) -> None:
@@ -169,9 +168,9 @@ def save_onnx(program: torch.onnx.ONNXProgram, path: Path) -> None:
     ``program.save`` builds the whole ``ModelProto`` and then its serialized bytes, two copies of
     every weight at once: SmolLM2-135M's export peaked at 3.3 GB in the save, against 1.8 GB for
     every stage before it. Here the model is serialized without its top graph's initializers, then
-    each initializer is appended as a ``graph`` field of its own: protobuf merges repeated
-    occurrences of a message field, so the file parses (``onnx.load``, ONNX Runtime) as the same
-    model, and only one weight is copied at a time."""
+    each initializer is appended as a ``ModelProto`` of its own holding just that initializer:
+    protobuf parses concatenated messages as one, merged (repeated fields appended), so the file
+    reads (``onnx.load``, ONNX Runtime) as the same model, and only one weight is copied at a time."""
     import onnx
     import onnx_ir as ir
 
@@ -190,21 +189,10 @@ def save_onnx(program: torch.onnx.ONNXProgram, path: Path) -> None:
         for value in initializers.values():
             if value.const_value is None:
                 continue
-            chunk = onnx.GraphProto()
+            chunk = onnx.ModelProto()
             value.const_value.name = value.name
-            ir.serde.serialize_tensor_into(chunk.initializer.add(), from_=value.const_value)
-            data = chunk.SerializeToString()
-            file.write(_GRAPH_FIELD + _varint(len(data)) + data)
-
-
-def _varint(number: int) -> bytes:
-    """``number`` as a protobuf base-128 varint."""
-    out = bytearray()
-    while True:
-        byte, number = number & 0x7F, number >> 7
-        out.append(byte | (0x80 if number else 0))
-        if not number:
-            return bytes(out)
+            ir.serde.serialize_tensor_into(chunk.graph.initializer.add(), from_=value.const_value)
+            file.write(chunk.SerializeToString())
 
 
 def snapshot_onnx(program: torch.onnx.ONNXProgram) -> torch.onnx.ONNXProgram:
