@@ -11,7 +11,10 @@ quantization primitives:
   activations.
 
 The 4-bit mode keeps the output projection and the MLP down projections at 8 bits
-(:func:`output_and_down_linears`; ``int8_output=False`` quantizes them to 4 too). With
+(:func:`output_and_down_linears`; ``int8_output=False`` quantizes them to 4 too), except an output
+projection tied to the embedding: that one goes to 4 bits, its top logits recomputed from the
+fp32 table the embedding keeps (:mod:`hfexport.passes.top_logits`; ``rescore_top=0`` keeps it at
+8 bits). With
 ``minimums=True`` its 4-bit groups carry a float minimum each (:func:`minimum_groups`) and only the
 output projection stays at 8 bits: SmolLM2's top-1 81% → 92%, but the extra linears made the
 export 2.4× slower and decode slower, so it is not the default yet.
@@ -27,7 +30,8 @@ optimizer has folded each linear layer's weight into one constant ``MatMul`` inp
 - ``onnx_int4_weights``: 4-bit weights in blocks of ``group_size`` along the input axis, each
   with a scale and a float minimum (llama.cpp's Q4_1 form, :mod:`hfexport.passes.onnx_blocks`),
   as ``com.microsoft::MatMulNBits`` plus the minimums' term; the output projection in symmetric
-  8-bit blocks (ONNX Runtime's ``MatMulNBitsQuantizer``). With ``accuracy_level=4`` the kernel
+  8-bit blocks (ONNX Runtime's ``MatMulNBitsQuantizer``), or, tied to the embedding, in symmetric
+  4-bit blocks with its top logits recomputed from the fp32 table. With ``accuracy_level=4`` the kernel
   quantizes activations to int8 on the fly, ONNX Runtime's fast CPU path.
 - ``onnx_int8_dynamic``: int8 weights and dynamically quantized int8 activations
   (``quantize_dynamic``: ``DynamicQuantizeLinear`` + ``MatMulInteger``).
@@ -45,10 +49,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from hfexport.errors import ConfigError
-from hfexport.pipeline.graph_edit import GraphEditor, add_constant, remove_unused_parameter
+from hfexport.passes.top_logits import TOP, rescore_fx
+from hfexport.pipeline.graph_edit import GraphEditor, add_constant, redirect_users, remove_unused_parameter
 from hfexport.pipeline.instruments import QUANTIZED_WEIGHTS
 from hfexport.pipeline.pass_manager import Pass, PassResult, register_pass
 from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
@@ -69,6 +75,7 @@ class _DynamicallyQuantizedLinears(Pass):
     stage = "fx_passes"
     weight_dtype: torch.dtype = torch.int8
     weight_bits = 8
+    rescore_top = 0
 
     def __init__(self, group_size: int | None = None, algorithm: str = "affine") -> None:
         if group_size is not None and (group_size < 16 or group_size & (group_size - 1)):
@@ -99,6 +106,20 @@ class _DynamicallyQuantizedLinears(Pass):
         :class:`Int4WeightsInt8Activations`)."""
         return set()
 
+    def _rescored(self, linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
+        """The output projections whose top logits are recomputed from their fp32 weight
+        (:mod:`hfexport.passes.top_logits`): with ``rescore_top``, those tied to an embedding,
+        which keeps the fp32 table anyway."""
+        if not self.rescore_top:
+            return set()
+        heads = output_linears(linears)
+        embedding = torch.ops.aten.embedding.default
+        return {
+            node.args[1].name
+            for node, _ in linears
+            if node.args[1].name in heads and any(user.target is embedding for user in node.args[1].users)
+        }
+
     def __call__(self, program: Any) -> PassResult:
         with quiet_loggers(*TORCHAO_LOGGERS):
             return self._rewrite(program)
@@ -127,7 +148,8 @@ class _DynamicallyQuantizedLinears(Pass):
             if self.group_size and value.shape[1] % self.group_size:
                 continue
             linears.append((node, value))
-        kept = self._kept_at_int8(linears)
+        rescored = self._rescored(linears)
+        kept = self._kept_at_int8(linears) - rescored
         for node, value in linears:
             x, weight = node.args[0], node.args[1]
             dtype, group_size = (torch.int8, None) if weight.name in kept else (self.weight_dtype, self.group_size)
@@ -169,6 +191,7 @@ class _DynamicallyQuantizedLinears(Pass):
             x_dq = edit.call(ops.dequantize_affine.default, x_q, token_block, x_scale, x_zero, torch.int8, -128, 127)
             w_dq = edit.call(ops.dequantize_affine.default, qdata, block, scale, zero_point, torch.int8, qmin, qmax)
             node.args = (x_dq, w_dq, *node.args[2:])
+            result = node
             if minimums is not None:
                 sums = block_sums.get(x)
                 if sums is None:
@@ -177,7 +200,9 @@ class _DynamicallyQuantizedLinears(Pass):
                     sums = block_sums[x] = edit.call(torch.ops.aten.linear.default, x, ones_node)
                 minimums_node = add_constant(program, f"{target}_minimums{suffix}", minimums)
                 offset = edit.call(torch.ops.aten.linear.default, sums, minimums_node)
-                _add_after(program, node, offset)
+                result = _add_after(program, node, offset)
+            if weight.name in rescored:
+                rescore_fx(program, result, x, weight, self.rescore_top)
             count += 1
         for name in quantized:
             remove_unused_parameter(program, next(n for n in program.graph.nodes if n.name == name))
@@ -188,6 +213,7 @@ class _DynamicallyQuantizedLinears(Pass):
             QUANTIZED_WEIGHTS: len(quantized),
             "quantized_linears": count,
             **({"int8_weights_kept": len(kept)} if self.weight_bits < 8 else {}),
+            **({"rescored_outputs": len(rescored)} if rescored else {}),
             "weight_kib_before": round(before / 2**10),
             "weight_kib_after": round(after / 2**10),
         }
@@ -199,15 +225,12 @@ def _block_ones(width: int, block_size: int) -> torch.Tensor:
     return (torch.arange(width)[None, :] // block_size == torch.arange(width // block_size)[:, None]).float()
 
 
-def _add_after(program: Any, node: Any, offset: Any) -> None:
+def _add_after(program: Any, node: Any, offset: Any) -> Any:
     """``node + offset`` in place of ``node`` for all its users (a program output too)."""
-    from torch.export.graph_signature import TensorArgument
-
+    users = set(node.users)
     total = GraphEditor(program.graph, node.next).call(torch.ops.aten.add.Tensor, node, offset)
-    node.replace_all_uses_with(total, delete_user_cb=lambda user: user is not total)
-    for spec in program.graph_signature.output_specs:
-        if isinstance(spec.arg, TensorArgument) and spec.arg.name == node.name:
-            spec.arg = TensorArgument(name=total.name)
+    redirect_users(program, node, total, users)
+    return total
 
 
 def minimum_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,7 +280,12 @@ class Int4WeightsInt8Activations(_DynamicallyQuantizedLinears):
     weight_bits = 4
 
     def __init__(
-        self, group_size: int = 32, algorithm: str = "hqq", int8_output: bool = True, minimums: bool = False
+        self,
+        group_size: int = 32,
+        algorithm: str = "hqq",
+        int8_output: bool = True,
+        minimums: bool = False,
+        rescore_top: int = TOP,
     ) -> None:
         # HQQ's scales measured better than round-to-nearest on SmolLM2-135M (mean logit cosine
         # 0.85 against 0.81 over 64 teacher-forced positions, the same top-1 agreement)
@@ -267,6 +295,7 @@ class Int4WeightsInt8Activations(_DynamicallyQuantizedLinears):
         super().__init__(group_size, algorithm)
         self.int8_output = int8_output
         self.minimums = minimums
+        self.rescore_top = rescore_top
 
     def _quantized(
         self, weight: torch.Tensor, dtype: torch.dtype, group_size: int | None
@@ -279,8 +308,9 @@ class Int4WeightsInt8Activations(_DynamicallyQuantizedLinears):
         return values, scale, torch.zeros_like(scale, dtype=torch.int8), [1, group_size], minimums
 
     def _kept_at_int8(self, linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
-        """With ``int8_output`` (the default), the output projection stays int8 per channel, and
-        without ``minimums`` the MLP down projections too: see :func:`output_and_down_linears`."""
+        """With ``int8_output`` (the default), the output projection stays int8 per channel (unless
+        it is rescored), and without ``minimums`` the MLP down projections too: see
+        :func:`output_and_down_linears`."""
         if not self.int8_output:
             return set()
         return output_linears(linears) if self.minimums else output_and_down_linears(linears)
@@ -336,11 +366,14 @@ def _counts(before: dict[str, int], after: Any, op_types: tuple[str, ...]) -> di
 
 class OnnxInt4Weights(Pass):
     """MatMul weights to 4-bit blocks with a scale and a float minimum each (ONNX Runtime
-    ``MatMulNBits`` plus the minimums: :mod:`hfexport.passes.onnx_blocks`); the output projection
-    in symmetric 8-bit blocks.
+    ``MatMulNBits`` plus the minimums: :mod:`hfexport.passes.onnx_blocks`). An output projection
+    tied to the embedding table goes to symmetric 4-bit blocks with its ``rescore_top`` highest
+    logits recomputed from the fp32 table (:mod:`hfexport.passes.top_logits`); any other stays in
+    symmetric 8-bit blocks.
 
     ``minimums=False`` takes ONNX Runtime's own asymmetric blocks instead (an integer zero point:
-    one node per weight, less exact); ``int8_output=False`` puts the output projection in 4 bits too."""
+    one node per weight, less exact); ``int8_output=False`` puts an output projection that is not
+    rescored in 4 bits too; ``rescore_top=0`` rescores none (a tied output projection stays at 8 bits)."""
 
     name = "onnx_int4_weights"
     description = "MatMul weights to 4-bit blocks of group_size (ONNX Runtime MatMulNBits); activations int8 on the fly"
@@ -348,7 +381,12 @@ class OnnxInt4Weights(Pass):
     runs_after = ("onnx_optimizer",)
 
     def __init__(
-        self, group_size: int = 32, accuracy_level: int = 4, minimums: bool = True, int8_output: bool = True
+        self,
+        group_size: int = 32,
+        accuracy_level: int = 4,
+        minimums: bool = True,
+        int8_output: bool = True,
+        rescore_top: int = TOP,
     ) -> None:
         if group_size < 16 or group_size & (group_size - 1):
             raise ConfigError(f"int4 group_size must be a power of two of at least 16, got {group_size}")
@@ -356,30 +394,44 @@ class OnnxInt4Weights(Pass):
         self.accuracy_level = accuracy_level
         self.minimums = minimums
         self.int8_output = int8_output
+        self.rescore_top = rescore_top
 
     def __call__(self, program: Any) -> PassResult:
         from hfexport.passes.onnx_blocks import rewrite_with_minimum_blocks
+        from hfexport.passes.top_logits import rescore_onnx
 
         model = _proto(program)
         before = _before(model)
         untied = _untie_transposed_weights(model)
         matmuls = _weight_matmuls(model)
-        kept = _output_matmuls(model, matmuls) if self.int8_output else set()
+        outputs = _output_matmuls(model, matmuls)
+        heads = {node.name: node.output[0] for node in model.graph.node if node.name in outputs}
+        # an output projection tied to an embedding table the model keeps in fp32 goes to 4 bits,
+        # its top logits recomputed from the table (hfexport.passes.top_logits)
+        rescored = _embedding_tables(model, set(heads)) if self.rescore_top else {}
+        kept = set(heads) - set(rescored) if self.int8_output else set()
         # symmetric 8 bits for the output projection: a tied table from a GGUF file is Q8_0, which
         # symmetric blocks hold exactly; SmolLM2 int4, teacher-forced top-1: 87% asymmetric, 95% symmetric
         if kept:
             model = self._ort_blocks(model, 8, True, set(matmuls) - kept)
-        rest = set(matmuls) - kept
+        if rescored:
+            model = self._ort_blocks(model, 4, True, set(matmuls) - set(rescored))
+        rest = set(matmuls) - kept - set(rescored)
         if self.minimums:
             packed = rewrite_with_minimum_blocks(model, rest, self.group_size, self.accuracy_level)
         elif rest:
-            model = self._ort_blocks(model, 4, False, kept)
+            model = self._ort_blocks(model, 4, False, kept | set(rescored))
+        for name, table in rescored.items():
+            head = next(node for node in model.graph.node if heads[name] in node.output)
+            rescore_onnx(model, head, table, self.rescore_top)
         counts = _counts(before, model, ("MatMulNBits",))
         if self.minimums:  # weights packed side by side share a MatMulNBits node: count the weights
             counts["matmulnbits_nodes"] = counts[QUANTIZED_WEIGHTS]
-            counts[QUANTIZED_WEIGHTS] = packed + len(kept)
+            counts[QUANTIZED_WEIGHTS] = packed + len(kept) + len(rescored)
         if self.int8_output:
             counts["int8_weights_kept"] = len(kept)
+        if rescored:
+            counts["rescored_outputs"] = len(rescored)
         if untied:
             counts["untied_weights"] = untied
         return PassResult(_program(model, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
@@ -403,10 +455,11 @@ class OnnxInt4Weights(Pass):
 
 def _untie_transposed_weights(model: Any) -> int:
     """Give each ``MatMul`` whose weight is ``Transpose(initializer)`` its own transposed
-    initializer, and return how many. A tied output projection reads the embedding table that
-    way (the optimizer does not fold a transposed copy of a constant that large), as does every
-    linear layer when the optimizer is off, and the quantizers only take a ``MatMul`` whose weight
-    is an initializer: SmolLM2's 113 MB output projection stayed fp32 in the 4-bit model."""
+    initializer, and return how many. A tied output projection reads the
+    embedding table that way (the optimizer does not fold a transposed copy of a constant that
+    large), as does every linear layer when the optimizer is off, and the quantizers only take a
+    ``MatMul`` whose weight is an initializer: SmolLM2's 113 MB output projection stayed fp32 in
+    the 4-bit model."""
     from onnx import numpy_helper
 
     initializers = {t.name: t for t in model.graph.initializer}
@@ -438,6 +491,27 @@ def _untie_transposed_weights(model: Any) -> int:
     for transpose in unused:
         model.graph.node.remove(transpose)
     return untied
+
+
+def _embedding_tables(model: Any, names: set[str]) -> dict[str, str]:
+    """``{MatMul name: table}`` for the MatMuls in ``names`` whose constant weight [K, N] is the
+    transpose of a table [N, K] a ``Gather`` reads (an output projection tied to the embedding)."""
+    from onnx import numpy_helper
+
+    initializers = {t.name: t for t in model.graph.initializer}
+    tables = {node.input[0] for node in model.graph.node if node.op_type == "Gather" and node.input[0] in initializers}
+    found = {}
+    for node in model.graph.node:
+        if node.name not in names or node.input[1] not in initializers:
+            continue
+        weight = initializers[node.input[1]]
+        for table in sorted(tables):
+            if list(initializers[table].dims) != list(weight.dims)[::-1]:
+                continue
+            if np.array_equal(numpy_helper.to_array(initializers[table]).T, numpy_helper.to_array(weight)):
+                found[node.name] = table
+                break
+    return found
 
 
 def _weight_matmuls(model: Any) -> dict[str, list[int]]:

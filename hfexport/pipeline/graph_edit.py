@@ -99,3 +99,15 @@ def replace_node(program: torch.export.ExportedProgram, node: Node, replacement:
             for spec in specs
         ]
         program._graph_signature = ExportGraphSignature(program.graph_signature.input_specs, specs)
+
+
+def redirect_users(program: torch.export.ExportedProgram, node: Node, replacement: Node, users: set[Node]) -> None:
+    """Make ``users`` (``node``'s users before ``replacement`` was built from it) read
+    ``replacement`` instead; where ``node`` was a program output, the graph signature names
+    ``replacement`` instead."""
+    from torch.export.graph_signature import TensorArgument
+
+    node.replace_all_uses_with(replacement, delete_user_cb=lambda user: user in users)
+    for spec in program.graph_signature.output_specs:
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name == node.name:
+            spec.arg = TensorArgument(name=replacement.name)

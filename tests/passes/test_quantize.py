@@ -107,6 +107,58 @@ def test_int4_blocks_hold_weights_already_on_a_4bit_lattice_exactly(minimums, er
     assert error_range[0] <= error < error_range[1], error
 
 
+def test_a_tied_output_projection_goes_to_4_bits_with_its_top_logits_recomputed_from_the_fp32_table(tmp_path):
+    # weights on a 4-bit lattice and fp32 compute: every 4-bit block with minimums is exact, so the
+    # only error left is the output projection's symmetric 4 bits, which rescoring removes from
+    # the top logits at each position
+    from hfexport.exporters import OnnxExporter as Exporter
+    from hfexport.passes.quantize import OnnxInt4Weights
+
+    model = build("tiny-llama", tie_word_embeddings=True)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight is not model.lm_head.weight:
+                module.weight.copy_(on_a_4bit_lattice(module.weight))
+    inputs = sample_inputs(model)
+    reference = eager(model, inputs).logits
+    errors = {}
+    for top in (8, 0):
+        quantize = OnnxInt4Weights(accuracy_level=1, int8_output=False, rescore_top=top)
+        result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter.default_passes, quantize]))
+        (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
+        ops = [node.op_type for node in result.program.model.graph]
+        assert (ops.count("TopK"), ops.count("ScatterElements"), record.counts.get("rescored_outputs", 0)) == (
+            (1, 1, 1) if top else (0, 0, 0)
+        )
+        folder = tmp_path / str(top)
+        save_export(folder, {"model": result})
+        logits = torch.as_tensor(ExportFolder(folder).runner().run(inputs)[0])
+        index = reference.topk(4, dim=-1).indices  # eager's best four at each position
+        errors[top] = float((logits.gather(-1, index) - reference.gather(-1, index)).abs().max())
+    assert errors[8] < 1e-4 < 1e-2 < errors[0], errors
+
+
+def test_8da4w_rescores_a_tied_output_projection_in_4_bits_and_leaves_the_other_logits_as_they_were():
+    from hfexport import DynamoConfig, DynamoExporter
+    from hfexport.passes.quantize import Int4WeightsInt8Activations
+
+    model = build("tiny-llama", tie_word_embeddings=True)
+    inputs = sample_inputs(model, 3, 11, seed=3)
+    logits = {}
+    for top in (8, 0):
+        passes = [*DynamoExporter.default_passes, Int4WeightsInt8Activations(int8_output=False, rescore_top=top)]
+        program = DynamoExporter().export(model, sample_inputs(model), DynamoConfig(dynamic=True, passes=passes))
+        targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+        assert (targets.count("aten.topk.default"), targets.count("aten.scatter.src")) == ((1, 1) if top else (0, 0))
+        assert int(program.constants["lm_head.weight_qdata"].abs().max()) <= 8  # 4 bits
+        with torch.no_grad():
+            logits[top] = program.module()(**inputs).logits
+    # the same 4-bit logits except the eight best at each position, which the fp32 table recomputed
+    changed = (logits[8] != logits[0]).sum(-1)
+    assert int(changed.max()) <= 8 and int(changed.min()) >= 1
+    assert cosine(logits[8], eager(model, inputs).logits) >= 0.98
+
+
 def test_8da4w_with_minimums_adds_an_offset_per_weight_and_keeps_only_the_output_projection_at_8_bits():
     from collections import Counter
 
@@ -238,9 +290,12 @@ def test_torchao_quantization_pass_replaces_fp32_linear_weights(name, tied):
     int8 = [key for key, t in program.constants.items() if key.endswith("_qdata")]
     assert len(int8) == LINEAR_LAYERS and all(program.constants[k].dtype == torch.int8 for k in int8)
     if name.startswith("int4"):
-        # 4-bit values, except the output projection and the MLP down projections: int8 per channel
+        # 4-bit values, except the MLP down projections and an output projection not tied to the
+        # embedding: int8 per channel (a tied one is rescored from the fp32 table)
         wide = {k for k in int8 if int(program.constants[k].abs().max()) > 8}
-        assert wide == {"lm_head.weight_qdata", *(f"model.layers.{i}.mlp.down_proj.weight_qdata" for i in (0, 1))}
+        down = {f"model.layers.{i}.mlp.down_proj.weight_qdata" for i in (0, 1)}
+        assert wide == (down if tied else {"lm_head.weight_qdata", *down})
+        assert ops["aten.topk.default"] == ops["aten.scatter.src"] == int(tied)
         assert all(
             int(program.constants[k].min()) >= -8 and int(program.constants[k].max()) <= 7 for k in set(int8) - wide
         )
