@@ -101,25 +101,6 @@ class _DynamicallyQuantizedLinears(Pass):
             )
         return q.qdata, q.scale, q.zero_point, block, None
 
-    def _linears(self, program: Any, constants: set[str] = frozenset()) -> list[tuple[Any, torch.Tensor]]:
-        """The ``aten.linear`` nodes with a 2-D float parameter weight (or one of the lifted
-        ``constants``: packed weights) this pass quantizes, each with its weight."""
-        weights = {**program.graph_signature.inputs_to_parameters, **_constant_inputs(program, constants)}
-        linears = []
-        for node in program.graph.nodes:
-            if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
-                continue
-            weight = node.args[1]
-            if not (isinstance(weight, torch.fx.Node) and weight.name in weights):
-                continue
-            value = program.state_dict.get(weights[weight.name], program.constants.get(weights[weight.name]))
-            if value is None or value.dim() != 2 or not value.is_floating_point():
-                continue
-            if self.group_size and value.shape[1] % self.group_size:
-                continue
-            linears.append((node, value))
-        return linears
-
     def _kept_at_int8(self, linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
         """The weights a 4-bit pass keeps at int8 per channel (none here; see
         :class:`Int4WeightsInt8Activations`)."""
@@ -147,19 +128,28 @@ class _DynamicallyQuantizedLinears(Pass):
         from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS
 
         ops = torch.ops.torchao
-        before = _tensor_bytes(program.state_dict.values())
-        linears = self._linears(program)
-        rescored = self._rescored(linears)
-        kept = self._kept_at_int8(linears) - rescored
-        packed = _pack_shared_inputs(program, [(n, v) for n, v in linears if n.args[1].name not in kept | rescored])
-        weights = {**program.graph_signature.inputs_to_parameters, **_constant_inputs(program, set(packed))}
-        if packed:
-            linears = self._linears(program, set(packed))
+        parameters = program.graph_signature.inputs_to_parameters
         quantized: dict[str, tuple[Any, ...]] = {}  # weight placeholder → (qdata, scale, zero point, block)
         uses: dict[str, int] = {}
+        before = _tensor_bytes(program.state_dict.values())
         stored = 0  # the quantized weights' bytes as the delegate stores them (4-bit values packed)
         count = 0
+        linears = []
         block_sums: dict[Any, Any] = {}  # linear input → its sums over each weight block
+        for node in program.graph.nodes:
+            if node.op != "call_function" or node.target is not torch.ops.aten.linear.default:
+                continue
+            weight = node.args[1]
+            if not (isinstance(weight, torch.fx.Node) and weight.name in parameters):
+                continue
+            value = program.state_dict[parameters[weight.name]]
+            if value.dim() != 2 or not value.is_floating_point():
+                continue
+            if self.group_size and value.shape[1] % self.group_size:
+                continue
+            linears.append((node, value))
+        rescored = self._rescored(linears)
+        kept = self._kept_at_int8(linears) - rescored
         for node, value in linears:
             x, weight = node.args[0], node.args[1]
             dtype, group_size = (torch.int8, None) if weight.name in kept else (self.weight_dtype, self.group_size)
@@ -175,7 +165,7 @@ class _DynamicallyQuantizedLinears(Pass):
             # to unlift a delegate whose constant another delegate also holds ("... is not a buffer")
             use = uses[weight.name] = uses.get(weight.name, -1) + 1
             suffix = f"_{use}" if use else ""
-            target = weights[weight.name]
+            target = parameters[weight.name]
             qdata, scale, zero_point = (
                 add_constant(program, f"{target}_{part}{suffix}", t)
                 for part, t in zip(("qdata", "scale", "zero_point"), tensors, strict=True)
@@ -220,51 +210,14 @@ class _DynamicallyQuantizedLinears(Pass):
         program.graph_module.recompile()
         after = _tensor_bytes(program.state_dict.values()) + stored
         counts = {
-            QUANTIZED_WEIGHTS: len(quantized) + sum(packed.values()) - len(packed),  # the model's weights
+            QUANTIZED_WEIGHTS: len(quantized),
             "quantized_linears": count,
-            **({"packed_weights": sum(packed.values())} if packed else {}),
             **({"int8_weights_kept": len(kept)} if self.weight_bits < 8 else {}),
             **({"rescored_outputs": len(rescored)} if rescored else {}),
             "weight_kib_before": round(before / 2**10),
             "weight_kib_after": round(after / 2**10),
         }
         return PassResult(program, modified=count > 0, counts=counts)
-
-
-def _constant_inputs(program: Any, names: set[str]) -> dict[str, str]:
-    """``{placeholder: constant}`` of the lifted constants called ``names``."""
-    return {k: v for k, v in program.graph_signature.inputs_to_lifted_tensor_constants.items() if v in names}
-
-
-def _pack_shared_inputs(program: Any, linears: list[tuple[Any, torch.Tensor]]) -> dict[str, int]:
-    """Replace the linears without a bias that read one input (a layer's q, k and v projections;
-    its gate and up projections) by one linear of their weights side by side (a lifted constant),
-    split after it, and return ``{constant: how many linears it replaced}``. Each output row keeps
-    its own groups, so the quantized values are the same; a decode step runs fewer delegated
-    linears (and quantizes the shared input once instead of once per weight)."""
-    groups: dict[Any, list[tuple[Any, torch.Tensor]]] = {}
-    for node, value in linears:
-        if len(node.args) < 3 or node.args[2] is None:
-            groups.setdefault(node.args[0], []).append((node, value))
-    packed = {}
-    for x, group in groups.items():
-        weights = [node.args[1] for node, _ in group]
-        if len(group) < 2 or len(set(weights)) < len(weights):
-            continue
-        first = group[0][0]
-        name = f"{program.graph_signature.inputs_to_parameters[weights[0].name]}_packed"
-        weight = add_constant(program, name, torch.cat([value.detach() for _, value in group]))
-        edit = GraphEditor(program.graph, first)
-        linear = edit.call(torch.ops.aten.linear.default, x, weight)
-        sizes = [value.shape[0] for _, value in group]
-        parts = edit.call(torch.ops.aten.split_with_sizes.default, linear, sizes, -1)
-        for index, (node, _) in enumerate(group):
-            redirect_users(program, node, edit.call(operator.getitem, parts, index), set(node.users))
-            program.graph.erase_node(node)
-        for placeholder in weights:
-            remove_unused_parameter(program, placeholder)
-        packed[name] = len(group)
-    return packed
 
 
 def _block_ones(width: int, block_size: int) -> torch.Tensor:

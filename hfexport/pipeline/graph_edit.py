@@ -68,20 +68,17 @@ def add_constant(program: torch.export.ExportedProgram, name: str, value: torch.
 
 
 def remove_unused_parameter(program: torch.export.ExportedProgram, node: Node) -> bool:
-    """Remove a parameter (or lifted constant) placeholder nothing uses any more, with its input
-    spec and its ``state_dict`` (``constants``) entry (the tensor itself is not touched: it may be
-    the user's model's)."""
+    """Remove a parameter placeholder nothing uses any more, with its input spec and its
+    ``state_dict`` entry (the tensor itself is not touched: it may be the user's model's)."""
     from torch.export.graph_signature import ExportGraphSignature
 
-    signature = program.graph_signature
-    target = signature.inputs_to_parameters.get(node.name) or signature.inputs_to_lifted_tensor_constants.get(node.name)
+    target = program.graph_signature.inputs_to_parameters.get(node.name)
     if node.users or target is None:
         return False
     program.graph.erase_node(node)
-    specs = [spec for spec in signature.input_specs if getattr(spec.arg, "name", None) != node.name]
-    program._graph_signature = ExportGraphSignature(specs, signature.output_specs)
+    specs = [spec for spec in program.graph_signature.input_specs if getattr(spec.arg, "name", None) != node.name]
+    program._graph_signature = ExportGraphSignature(specs, program.graph_signature.output_specs)
     program.state_dict.pop(target, None)
-    program.constants.pop(target, None)
     return True
 
 

@@ -23,8 +23,6 @@ from hfexport.pipeline.instruments import QUANTIZED_WEIGHTS
 
 # tiny-llama: 2 layers x (q, k, v, o, gate, up, down) + lm_head
 LINEAR_LAYERS = 15
-# 8da4w / 8da8w pack the weights that read one input: 2 layers x (q k v, o, gate up, down) + lm_head
-PACKED_LINEARS = 9
 
 
 def cosine(a, b):
@@ -171,11 +169,11 @@ def test_8da4w_with_minimums_adds_an_offset_per_weight_and_keeps_only_the_output
     passes = [*DynamoExporter.default_passes, Int4WeightsInt8Activations(minimums=True)]
     program = DynamoExporter().export(model, sample_inputs(model), DynamoConfig(dynamic=True, passes=passes))
     ops = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
-    # a linear per packed 4-bit weight for its minimums, one per input they read for its block sums
-    assert ops["aten.linear.default"] == PACKED_LINEARS + (PACKED_LINEARS - 1) + 2 * 4
+    # a linear per 4-bit weight for its minimums, one per input the 4-bit weights read for its block sums
+    assert ops["aten.linear.default"] == LINEAR_LAYERS + (LINEAR_LAYERS - 1) + 2 * 4
     wide = {k for k, t in program.constants.items() if k.endswith("_qdata") and int(t.abs().max()) > 8}
     assert wide == {"lm_head.weight_qdata"}
-    assert len([key for key in program.constants if key.endswith("_minimums")]) == PACKED_LINEARS - 1
+    assert len([key for key in program.constants if key.endswith("_minimums")]) == LINEAR_LAYERS - 1
     inputs = sample_inputs(model, 3, 11, seed=3)
     assert cosine(program.module()(**inputs).logits, eager(model, inputs).logits) >= 0.98
 
@@ -250,8 +248,7 @@ def test_executorch_quantization_pass_delegates_every_linear_layer_as_quantized(
         model, sample_inputs(model), ExecutorchConfig(dynamic=True, verify=True, quantize=mode)
     )
     (record,) = [p for s in result.records for p in s.children if p.name.endswith("_int8_activations")]
-    assert record.counts[QUANTIZED_WEIGHTS] == LINEAR_LAYERS
-    assert record.counts["quantized_linears"] == PACKED_LINEARS and record.counts["packed_weights"] == 2 * 5
+    assert record.counts[QUANTIZED_WEIGHTS] == LINEAR_LAYERS == record.counts["quantized_linears"]
     assert record.counts["weight_kib_after"] < record.counts["weight_kib_before"] / 2.5
     # every quantize / dequantize went to XNNPACK: none is left for the portable kernels
     edge = result.program.exported_program()
@@ -283,16 +280,15 @@ def test_torchao_quantization_pass_replaces_fp32_linear_weights(name, tied):
     passes = [*DynamoExporter.default_passes, name]
     program = DynamoExporter().export(model, sample_inputs(model), DynamoConfig(dynamic=True, passes=passes))
     ops = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
-    # one linear for the weights that read one input (q k v; gate up), split after it
-    assert ops["torchao.choose_qparams_affine.default"] == PACKED_LINEARS
-    assert ops["torchao.dequantize_affine.default"] == 2 * PACKED_LINEARS  # input and weight of each
-    assert ops["aten.linear.default"] == PACKED_LINEARS and ops["aten.split_with_sizes.default"] == 2 * 2
+    assert ops["torchao.choose_qparams_affine.default"] == LINEAR_LAYERS
+    assert ops["torchao.dequantize_affine.default"] == 2 * LINEAR_LAYERS  # input and weight of each
+    assert ops["aten.linear.default"] == LINEAR_LAYERS
     # the fp32 linear weights are gone: the embedding table stays (a 2-D float weight), norms too
     kept = {key for key, t in program.state_dict.items() if t.dim() == 2 and t.is_floating_point()}
     # (a tied table is listed under both names)
     assert kept == {"model.embed_tokens.weight", *(["lm_head.weight"] if tied else [])}
     int8 = [key for key, t in program.constants.items() if key.endswith("_qdata")]
-    assert len(int8) == PACKED_LINEARS and all(program.constants[k].dtype == torch.int8 for k in int8)
+    assert len(int8) == LINEAR_LAYERS and all(program.constants[k].dtype == torch.int8 for k in int8)
     if name.startswith("int4"):
         # 4-bit values, except the MLP down projections and an output projection not tied to the
         # embedding: int8 per channel (a tied one is rescored from the fp32 table)
