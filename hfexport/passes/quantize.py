@@ -69,6 +69,12 @@ def _tensor_bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _top(rescore_top: int) -> int:
+    if not isinstance(rescore_top, int) or rescore_top < 0:
+        raise ConfigError(f"rescore_top must be a whole number of logits to recompute (0: none), got {rescore_top!r}")
+    return rescore_top
+
+
 class _DynamicallyQuantizedLinears(Pass):
     """``aten.linear`` with a parameter weight → torchao's dynamically quantized linear pattern."""
 
@@ -295,7 +301,7 @@ class Int4WeightsInt8Activations(_DynamicallyQuantizedLinears):
         super().__init__(group_size, algorithm)
         self.int8_output = int8_output
         self.minimums = minimums
-        self.rescore_top = rescore_top
+        self.rescore_top = _top(rescore_top)
 
     def _quantized(
         self, weight: torch.Tensor, dtype: torch.dtype, group_size: int | None
@@ -394,7 +400,7 @@ class OnnxInt4Weights(Pass):
         self.accuracy_level = accuracy_level
         self.minimums = minimums
         self.int8_output = int8_output
-        self.rescore_top = rescore_top
+        self.rescore_top = _top(rescore_top)
 
     def __call__(self, program: Any) -> PassResult:
         from hfexport.passes.onnx_blocks import rewrite_with_minimum_blocks

@@ -86,10 +86,17 @@ def replace_node(program: torch.export.ExportedProgram, node: Node, replacement:
     """Make every user of ``node`` use ``replacement`` and erase ``node``. When ``node`` was a
     program output (a static cache's in-place write is one), the graph signature names
     ``replacement`` instead, so the program keeps its outputs."""
+    redirect_users(program, node, replacement, set(node.users))
+    program.graph.erase_node(node)
+
+
+def redirect_users(program: torch.export.ExportedProgram, node: Node, replacement: Node, users: set[Node]) -> None:
+    """Make ``users`` (``node``'s users before ``replacement`` was built from it) read
+    ``replacement`` instead; where ``node`` was a program output, the graph signature names
+    ``replacement`` instead."""
     from torch.export.graph_signature import ExportGraphSignature, TensorArgument
 
-    node.replace_all_uses_with(replacement)
-    program.graph.erase_node(node)
+    node.replace_all_uses_with(replacement, delete_user_cb=lambda user: user in users)
     specs = list(program.graph_signature.output_specs)
     if any(getattr(spec.arg, "name", None) == node.name for spec in specs):
         specs = [
@@ -99,15 +106,3 @@ def replace_node(program: torch.export.ExportedProgram, node: Node, replacement:
             for spec in specs
         ]
         program._graph_signature = ExportGraphSignature(program.graph_signature.input_specs, specs)
-
-
-def redirect_users(program: torch.export.ExportedProgram, node: Node, replacement: Node, users: set[Node]) -> None:
-    """Make ``users`` (``node``'s users before ``replacement`` was built from it) read
-    ``replacement`` instead; where ``node`` was a program output, the graph signature names
-    ``replacement`` instead."""
-    from torch.export.graph_signature import TensorArgument
-
-    node.replace_all_uses_with(replacement, delete_user_cb=lambda user: user in users)
-    for spec in program.graph_signature.output_specs:
-        if isinstance(spec.arg, TensorArgument) and spec.arg.name == node.name:
-            spec.arg = TensorArgument(name=replacement.name)

@@ -222,6 +222,11 @@ def test_quantize_modes_and_group_sizes_are_checked_when_the_config_is_built():
     model = build("tiny-llama")
     with pytest.raises(ConfigError, match="group_size must be a power of two"):
         OnnxExporter().export(model, sample_inputs(model), OnnxConfig(quantize="int4", quantize_group_size=24))
+    from hfexport.passes.quantize import Int4WeightsInt8Activations, OnnxInt4Weights
+
+    for quantization in (OnnxInt4Weights, Int4WeightsInt8Activations):
+        with pytest.raises(ConfigError, match="rescore_top must be a whole number .* got -1"):
+            quantization(rescore_top=-1)
 
 
 def test_cli_quantize_flag(tmp_path):
