@@ -14,7 +14,8 @@ from hfexport.pipeline.pass_manager import PassResult, register_pass
 CACHE_MUTATIONS_KEY = "hfexport.cache_mutations"
 
 
-def _mutated_argument(node: torch.fx.Node) -> torch.fx.Node | None:
+def mutated_argument(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node an in-place op writes (its first argument the schema marks written), or None."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
         return None
@@ -33,7 +34,7 @@ def input_mutations(program: torch.export.ExportedProgram) -> dict[str, list[str
     for node in program.graph.nodes:
         if node.op != "call_function":
             continue
-        target = _mutated_argument(node)
+        target = mutated_argument(node)
         if target is not None and target.name in by_placeholder:
             found.setdefault(by_placeholder[target.name], []).append(str(node.target))
     for spec in program.graph_signature.output_specs:

@@ -106,3 +106,23 @@ def redirect_users(program: torch.export.ExportedProgram, node: Node, replacemen
             for spec in specs
         ]
         program._graph_signature = ExportGraphSignature(program.graph_signature.input_specs, specs)
+
+
+def synced_output_specs(program: torch.export.ExportedProgram) -> None:
+    """Name in the graph signature the nodes the graph's output actually returns. A rewrite of the
+    graph alone (``node.replace_all_uses_with``) leaves an output spec naming the node it replaced;
+    the specs follow the output node's arguments in order."""
+    from torch.export.graph_signature import ExportGraphSignature, TensorArgument
+
+    returned = program.graph.output_node().args[0]
+    specs = list(program.graph_signature.output_specs)
+    if len(returned) != len(specs):
+        return
+    synced = [
+        dataclasses.replace(spec, arg=TensorArgument(value.name))
+        if isinstance(spec.arg, TensorArgument) and isinstance(value, Node) and value.name != spec.arg.name
+        else spec
+        for spec, value in zip(specs, returned, strict=True)
+    ]
+    if synced != specs:
+        program._graph_signature = ExportGraphSignature(program.graph_signature.input_specs, synced)

@@ -11,6 +11,7 @@ import networkx as nx
 import torch
 
 from hfexport.errors import ConfigError, PassError, PassOrderError
+from hfexport.pipeline.graph_edit import synced_output_specs
 
 
 @dataclass
@@ -335,7 +336,8 @@ def graph_pass(
     """Register ``fn(graph_module) -> int`` as an in-place pass over an ``ExportedProgram``'s graph.
 
     ``fn`` rewrites ``program.graph_module`` and returns how many matches it rewrote; the pass
-    lints and recompiles the graph and reports ``{"rewritten": n}``.
+    lints and recompiles the graph, names in the signature the outputs the graph now returns
+    (:func:`~hfexport.pipeline.graph_edit.synced_output_specs`) and reports ``{"rewritten": n}``.
     """
 
     def wrap(fn: Callable[[Any], int]) -> Pass:
@@ -345,6 +347,8 @@ def graph_pass(
             if rewritten:
                 graph_module.graph.lint()
                 graph_module.recompile()
+                if hasattr(program, "graph_signature"):
+                    synced_output_specs(program)
             return PassResult(program, modified=bool(rewritten), counts={"rewritten": rewritten})
 
         run.__doc__ = fn.__doc__

@@ -5,12 +5,14 @@ duration of one *scope* to work around an upstream bug that cannot be fixed on t
 afterwards, or to observe a run:
 
 - ``"capture"``: around ``torch.export`` (:func:`hfexport.pipeline.capture.capture`);
-- ``"generate"``: around the ``model.generate`` run of the generation decomposition.
+- ``"generate"``: around the ``model.generate`` run of the generation decomposition;
+- ``"to_onnx"``: around ``torch.onnx.export`` in the ONNX lowering, applied by name and only to a
+  program it holds for (:mod:`hfexport.targets.onnx.lowering`).
 
 Each patch carries its reason and the upstream issue. :func:`patches_applied` restores every
 target on every path, errors included. A workaround that can be done on the graph is a pass, not
 a patch. The registry knows no model: the patches themselves are registered by
-:mod:`hfexport.models.patches`.
+:mod:`hfexport.models.patches` (and the ``"to_onnx"`` one by the ONNX lowering).
 
 Patches are process-global, and so is the state ``torch.export`` keeps while it traces (its
 dispatch-mode stack: two captures in two threads fail with "Trying to pop empty mode stack"). So
@@ -33,7 +35,7 @@ from typing import Any
 from hfexport.errors import ConfigError
 
 _MISSING = object()
-SCOPES = ("capture", "generate")
+SCOPES = ("capture", "generate", "to_onnx")
 EXPORT_LOCK = threading.RLock()
 
 

@@ -229,3 +229,64 @@ def test_save_writes_one_file_a_weight_at_a_time_that_loads_as_torch_onnx_saves_
     inputs = sample_inputs(model, 1, 5)
     got = OnnxRunner(tmp_path / "ours.onnx").run_dict(inputs)["logits"]
     torch.testing.assert_close(torch.from_numpy(got), main_output(eager(model, inputs)), atol=1e-4, rtol=0)
+
+
+class _WritesItsInput(torch.nn.Module):
+    def forward(self, cache, x):
+        before = cache * 1  # read before the write: the old value
+        cache.add_(x)  # an in-place write of a user input, as a static cache's
+        return cache * 2 + before
+
+
+class _WritesAnIntermediate(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2
+        y.add_(1)
+        return y
+
+
+class _WritesAView(torch.nn.Module):
+    def forward(self, x):
+        y = x * 2
+        y[:, 0].add_(1)  # the write reaches y through the view
+        return y
+
+
+def test_an_in_place_input_write_reaches_onnx_without_torch_onnx_retracing_it(monkeypatch):
+    from hfexport.targets.onnx.lowering import run_onnx_program, to_onnx, translatable_program
+
+    inputs = {"cache": torch.randn(2, 3), "x": torch.randn(2, 3)}
+    program = torch.export.export(_WritesItsInput(), (), {k: v.clone() for k, v in inputs.items()})
+    functional = translatable_program(program)
+    assert functional is not None
+    assert not [n for n in functional.graph.nodes if n.op == "call_function" and n.target._schema.is_mutable]
+    mutations = [s for s in functional.graph_signature.output_specs if s.kind.name == "USER_INPUT_MUTATION"]
+    assert [s.target for s in mutations] == ["cache"]
+    assert any(n.target is torch.ops.aten.add_.Tensor for n in program.graph.nodes)  # the program is unchanged
+
+    retraces = []
+    original = torch.export.ExportedProgram.run_decompositions
+    monkeypatch.setattr(
+        torch.export.ExportedProgram,
+        "run_decompositions",
+        lambda self, *args, **kwargs: retraces.append(1) or original(self, *args, **kwargs),
+    )
+    (got,) = run_onnx_program(to_onnx(program), inputs)
+    assert retraces == []
+    expected = (inputs["cache"] + inputs["x"]) * 2 + inputs["cache"]
+    torch.testing.assert_close(torch.as_tensor(got), expected)
+
+    intermediate = torch.export.export(_WritesAnIntermediate(), (), {"x": inputs["x"]})
+    assert translatable_program(intermediate) is not None
+    (got,) = run_onnx_program(to_onnx(intermediate), {"x": inputs["x"]})
+    torch.testing.assert_close(torch.as_tensor(got), inputs["x"] * 2 + 1)
+    assert retraces == []
+
+    # a write through a view is left to torch.onnx's own functionalisation (a retrace)
+    view = torch.export.export(_WritesAView(), (), {"x": inputs["x"]})
+    assert translatable_program(view) is None
+    (got,) = run_onnx_program(to_onnx(view), {"x": inputs["x"]})
+    assert retraces == [1]
+    expected = inputs["x"] * 2
+    expected[:, 0] += 1
+    torch.testing.assert_close(torch.as_tensor(got), expected)

@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
+import functools
+import operator
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.export.graph_signature import ConstantArgument, OutputKind, TensorArgument
+from torch.export.graph_signature import ConstantArgument, ExportGraphSignature, OutputKind, TensorArgument
+from torch.export.graph_signature import OutputSpec as SignatureOutput
 
+from hfexport.passes.cache import mutated_argument
 from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind
 from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.graph_edit import GraphEditor, arguments, redirect_users, replace_node
 from hfexport.pipeline.io_names import program_io_names, user_input_names
 from hfexport.pipeline.pass_manager import own_weights
+from hfexport.pipeline.patches import patches_applied, register_patch
 from hfexport.targets.manifest import ComponentSpec, OutputSpec, captured_facts, program_inputs
 from hfexport.versions import quiet_loggers, require_backend
 
@@ -70,16 +77,207 @@ def _missing_translations() -> dict[Any, Any]:
     return {torch.ops.aten._is_all_true.default: aten_all}
 
 
+@register_patch(
+    "torch.onnx._internal.exporter._fx_passes:decompose_with_registry",
+    name="onnx_program_already_decomposed",
+    reason=(
+        "torch.onnx.export decomposes every ExportedProgram with run_decompositions, which on "
+        "torch.export's training IR traces the whole graph again (SmolLM2-135M: 11 of to_onnx's 17 s) "
+        "even when every op already has an ONNX translation; applied only to a program "
+        ":func:`translatable_program` made functional and found to need no decomposition"
+    ),
+    upstream="https://github.com/pytorch/pytorch/pull/129249",
+    scope="to_onnx",
+)
+def _already_decomposed(original: Any) -> Any:
+    @functools.wraps(original)
+    def decompose_with_registry(exported_program: Any, registry: Any) -> Any:
+        return exported_program
+
+    return decompose_with_registry
+
+
+@functools.cache
+def _onnx_op_tables() -> tuple[frozenset[Any], frozenset[Any]]:
+    """(the ATen overloads torch.onnx translates, the ones its decomposition table rewrites)."""
+    from torch.onnx._internal.exporter import _decomp, _registration
+
+    implemented = set(_decomp.get_onnx_implemented_overloads(_registration.ONNXRegistry.from_torchlib()))
+    implemented |= set(_missing_translations())
+    decomposed = _decomp.create_onnx_friendly_decomposition_table(implemented)
+    return frozenset(implemented), frozenset(decomposed)
+
+
+def _functional_variant(target: Any) -> Any:
+    """``aten.scatter_.src`` → ``aten.scatter.src`` (None for an op with no such variant)."""
+    name = target.overloadpacket.__name__
+    if not name.endswith("_") or name.endswith("__"):
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _sizes_from_inputs(program: torch.export.ExportedProgram, user_inputs: set[str]) -> None:
+    """Read every symbolic size off the first user input that has it, once. torch.export reads a
+    size off whichever tensor the code asked (each layer's keys after its rotary embedding), and
+    torch.onnx translates each such read as a ``Shape`` of that tensor and a ``Concat``, which the
+    optimizer cannot merge across layers (SmolLM2-135M: 90 more nodes); torch.onnx's own retrace
+    reads each size off the inputs."""
+    aten = torch.ops.aten
+    graph = program.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    where: dict[Any, tuple[torch.fx.Node, int]] = {}
+    for node in placeholders:
+        value = node.meta.get("val")
+        if node.name in user_inputs and isinstance(value, torch.Tensor):
+            for axis, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt):
+                    where.setdefault(size.node.expr, (node, axis))
+    if not where:
+        return
+    shared: dict[Any, torch.fx.Node] = {}
+    for node in list(graph.nodes):
+        value = node.meta.get("val")
+        if node.op != "call_function" or node.target is not aten.sym_size.int or not isinstance(value, torch.SymInt):
+            continue
+        expr = value.node.expr
+        if expr not in where or node.args == where[expr]:
+            continue
+        if expr not in shared:
+            first = next(n for n in graph.nodes if n.op != "placeholder")
+            shared[expr] = GraphEditor(graph, first).call(aten.sym_size.int, *where[expr])
+        replace_node(program, node, shared[expr])
+
+
+# Python's operators on tensors, which torch.onnx's decomposition rewrites to their named ops
+_OPERATOR_OPS = {
+    torch.ops.aten.__and__.Tensor: torch.ops.aten.bitwise_and.Tensor,
+    torch.ops.aten.__or__.Tensor: torch.ops.aten.bitwise_or.Tensor,
+    torch.ops.aten.__xor__.Tensor: torch.ops.aten.bitwise_xor.Tensor,
+}
+
+
+def _fresh_tensor(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a tensor of its own, computed in the graph (no view or alias of another)."""
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and not target.is_view
+        and all(result.alias_info is None for result in target._schema.returns)
+    )
+
+
+def translatable_program(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram | None:
+    """A functional copy of ``program`` that torch.onnx can translate as it is, or None.
+
+    torch.export's program writes a static cache with in-place ops on its user inputs
+    (``scatter_``, ``add_``); torch.onnx functionalises them by tracing the whole program again.
+    Here each in-place write of a user input becomes its functional op, the input's later readers
+    read the result, and the signature gains the input-mutation output torch's functionalisation
+    would add; an in-place write of a tensor the graph computed (a prefill's fresh cache) becomes
+    its functional op too; ``aten.to`` becomes ``_to_copy`` and ``__and__`` ``bitwise_and``. None (the caller lets torch.onnx
+    decompose) when anything else needs it: an op torch.onnx has no translation for or decomposes,
+    an in-place write of a buffer or of a view, a write to a tensor a view was taken of first, or a
+    higher-order op."""
+    aten = torch.ops.aten
+    implemented, decomposed = _onnx_op_tables()
+
+    def translated(target: Any) -> bool:
+        return target in implemented and target not in decomposed
+
+    from torch._export.verifier import SpecViolationError
+
+    graph_module = copy.deepcopy(program.graph_module)
+    try:
+        functional = torch.export.ExportedProgram(
+            root=graph_module,
+            graph=graph_module.graph,
+            graph_signature=program.graph_signature,
+            state_dict=program.state_dict,
+            range_constraints=program.range_constraints,
+            module_call_graph=copy.deepcopy(program.module_call_graph),
+            example_inputs=program.example_inputs,
+            constants=program.constants,
+            verifiers=program.verifiers,
+        )
+    except SpecViolationError:  # a user pass left the signature out of step with the graph
+        return None
+    graph = functional.graph
+    user_inputs = set(functional.graph_signature.user_inputs)
+    _sizes_from_inputs(functional, user_inputs)
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    latest: dict[str, torch.fx.Node] = {}  # a written user input's name -> the node holding its newest value
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload):
+            if target is operator.getitem or getattr(target, "__module__", None) == "_operator":
+                continue  # tuple items and symbolic size arithmetic
+            return None
+        if target in (aten.to.dtype, aten.to.device, aten.to.dtype_layout) and translated(aten._to_copy.default):
+            if arguments(node).get("memory_format") not in (None, torch.preserve_format):
+                return None
+            dtype = node.meta["val"].dtype  # the device is not an ONNX graph's business
+            replace_node(functional, node, GraphEditor(graph, node).call(aten._to_copy.default, node.args[0], dtype=dtype))
+            continue
+        if target in _OPERATOR_OPS and translated(_OPERATOR_OPS[target]):
+            replace_node(functional, node, GraphEditor(graph, node).call(_OPERATOR_OPS[target], *node.args))
+            continue
+        if not target._schema.is_mutable:
+            if not translated(target):
+                return None
+            continue
+        written, variant = mutated_argument(node), _functional_variant(target)
+        if written is None or variant is None or not translated(variant):
+            return None
+        name = next((n for n, value in latest.items() if value is written), None)
+        if written.op == "placeholder" and written.name in user_inputs:
+            name = written.name
+        elif name is None and not _fresh_tensor(written):
+            return None  # a buffer, or a view whose write would reach its base
+        if any(
+            isinstance(user.target, torch._ops.OpOverload) and user.target.is_view
+            for user in written.users
+            if order.get(user, len(order)) < order[node]
+        ):
+            return None
+        rewritten = GraphEditor(graph, node).call(variant, *node.args, **node.kwargs)
+        later = {user for user in written.users if user is not node and order.get(user, -1) > order[node]}
+        redirect_users(functional, written, rewritten, later)
+        replace_node(functional, node, rewritten)
+        if name is not None:
+            latest[name] = rewritten
+    if latest:
+        output = graph.output_node()
+        output.args = ((*latest.values(), *output.args[0]),)
+        mutations = [
+            SignatureOutput(OutputKind.USER_INPUT_MUTATION, TensorArgument(value.name), name)
+            for name, value in latest.items()
+        ]
+        signature = functional.graph_signature
+        functional._graph_signature = ExportGraphSignature(
+            signature.input_specs, mutations + list(signature.output_specs)
+        )
+    graph_module.recompile()
+    return functional
+
+
 def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None) -> torch.onnx.ONNXProgram:
     """Translate an ``ExportedProgram`` to ONNX with torch.onnx (translation only: the optimizer
     runs as the ``onnx_optimizer`` pass), its inputs and outputs named as :func:`onnx_component` says.
-    The initializers are the program's own copy of the weights, not the model's tensors."""
+    The initializers are the program's own copy of the weights, not the model's tensors. A program
+    :func:`translatable_program` makes functional skips torch.onnx's decomposition (a second trace)."""
     require_backend("onnx", ONNX_MODULES)
     program = own_weights(program)
     fed = [i.path for i in program_inputs(program, None) if i.constant is None]  # flags are not ONNX inputs
     with _quiet_torch_onnx():
+        functional = translatable_program(program)
+    skip = patches_applied(["onnx_program_already_decomposed"], scope=None) if functional else contextlib.nullcontext()
+    with _quiet_torch_onnx(), skip:
         onnx_program = torch.onnx.export(
-            program,
+            functional or program,
             (),
             dynamo=True,
             optimize=False,
