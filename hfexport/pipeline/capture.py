@@ -116,7 +116,7 @@ def auto_dynamic_shapes(
 ) -> Any:
     """``dynamic_shapes`` marking every axis of every input tensor ``Dim.AUTO`` (bounded above by
     ``axis_bound(axis)`` when given), except the ``static_axes`` of top-level inputs (a tensor, or
-    each tensor of a dict).
+    each tensor of a dict or of a cache).
 
     torch.export expects a registered custom pytree node (a cache) to be described by the list of
     its children's specs, so those are expanded one level at a time.
@@ -151,6 +151,8 @@ def auto_dynamic_shapes(
             return {axis: dim for axis, dim in spec.items() if axis not in fixed}
         if isinstance(spec, dict):  # a dict of tensors (per-layer-type masks)
             return {key: without(item, fixed) for key, item in spec.items()}
+        if isinstance(spec, list):  # a cache's children
+            return [without(item, fixed) for item in spec]
         return spec
 
     shapes = {name: axes(value) for name, value in inputs.items()}

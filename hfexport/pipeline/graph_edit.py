@@ -21,8 +21,10 @@ class GraphEditor:
     def __init__(self, graph: Graph, anchor: Node) -> None:
         self.graph = graph
         self.anchor = anchor
-        values = [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-        self.fake_mode = detect_fake_mode(values)
+        # every fake value of a program shares one fake mode: the first one found says which
+        # (checking them all made each edit cost a walk over the graph)
+        value = next((n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)), None)
+        self.fake_mode = detect_fake_mode([value] if value is not None else [])
 
     def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
         with self.graph.inserting_before(self.anchor):

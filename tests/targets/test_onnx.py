@@ -253,11 +253,14 @@ class _WritesAView(torch.nn.Module):
 
 
 def test_an_in_place_input_write_reaches_onnx_without_torch_onnx_retracing_it(monkeypatch):
+    from torch.onnx._internal.exporter._registration import ONNXRegistry
+
     from hfexport.targets.onnx.lowering import run_onnx_program, to_onnx, translatable_program
 
+    registry = ONNXRegistry.from_torchlib()
     inputs = {"cache": torch.randn(2, 3), "x": torch.randn(2, 3)}
     program = torch.export.export(_WritesItsInput(), (), {k: v.clone() for k, v in inputs.items()})
-    functional = translatable_program(program)
+    functional = translatable_program(program, registry)
     assert functional is not None
     assert not [n for n in functional.graph.nodes if n.op == "call_function" and n.target._schema.is_mutable]
     mutations = [s for s in functional.graph_signature.output_specs if s.kind.name == "USER_INPUT_MUTATION"]
@@ -277,14 +280,14 @@ def test_an_in_place_input_write_reaches_onnx_without_torch_onnx_retracing_it(mo
     torch.testing.assert_close(torch.as_tensor(got), expected)
 
     intermediate = torch.export.export(_WritesAnIntermediate(), (), {"x": inputs["x"]})
-    assert translatable_program(intermediate) is not None
+    assert translatable_program(intermediate, registry) is not None
     (got,) = run_onnx_program(to_onnx(intermediate), {"x": inputs["x"]})
     torch.testing.assert_close(torch.as_tensor(got), inputs["x"] * 2 + 1)
     assert retraces == []
 
     # a write through a view is left to torch.onnx's own functionalisation (a retrace)
     view = torch.export.export(_WritesAView(), (), {"x": inputs["x"]})
-    assert translatable_program(view) is None
+    assert translatable_program(view, registry) is None
     (got,) = run_onnx_program(to_onnx(view), {"x": inputs["x"]})
     assert retraces == [1]
     expected = inputs["x"] * 2

@@ -79,33 +79,32 @@ def _missing_translations() -> dict[Any, Any]:
 
 @register_patch(
     "torch.onnx._internal.exporter._fx_passes:decompose_with_registry",
-    name="onnx_program_already_decomposed",
+    name="onnx_functional_without_retrace",
     reason=(
         "torch.onnx.export decomposes every ExportedProgram with run_decompositions, which on "
         "torch.export's training IR traces the whole graph again (SmolLM2-135M: 11 of to_onnx's 17 s) "
-        "even when every op already has an ONNX translation; applied only to a program "
-        ":func:`translatable_program` made functional and found to need no decomposition"
+        "to make the cache writes functional when every op already has an ONNX translation; "
+        ":func:`translatable_program` does that on the graph, and torch.onnx's decomposition runs "
+        "only for a program it does not hold for"
     ),
     upstream="https://github.com/pytorch/pytorch/pull/129249",
     scope="to_onnx",
 )
-def _already_decomposed(original: Any) -> Any:
+def _functional_without_retrace(original: Any) -> Any:
     @functools.wraps(original)
     def decompose_with_registry(exported_program: Any, registry: Any) -> Any:
-        return exported_program
+        functional = translatable_program(exported_program, registry)
+        return functional if functional is not None else original(exported_program, registry)
 
     return decompose_with_registry
 
 
-@functools.cache
-def _onnx_op_tables() -> tuple[frozenset[Any], frozenset[Any]]:
-    """(the ATen overloads torch.onnx translates, the ones its decomposition table rewrites)."""
-    from torch.onnx._internal.exporter import _decomp, _registration
+def _onnx_op_tables(registry: Any) -> tuple[set[Any], set[Any]]:
+    """(the ATen overloads ``registry`` translates, the ones torch.onnx's decomposition rewrites)."""
+    from torch.onnx._internal.exporter import _decomp
 
-    implemented = set(_decomp.get_onnx_implemented_overloads(_registration.ONNXRegistry.from_torchlib()))
-    implemented |= set(_missing_translations())
-    decomposed = _decomp.create_onnx_friendly_decomposition_table(implemented)
-    return frozenset(implemented), frozenset(decomposed)
+    implemented = set(_decomp.get_onnx_implemented_overloads(registry))
+    return implemented, set(_decomp.create_onnx_friendly_decomposition_table(implemented))
 
 
 def _functional_variant(target: Any) -> Any:
@@ -168,20 +167,22 @@ def _fresh_tensor(node: torch.fx.Node) -> bool:
     )
 
 
-def translatable_program(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram | None:
-    """A functional copy of ``program`` that torch.onnx can translate as it is, or None.
+def translatable_program(program: torch.export.ExportedProgram, registry: Any) -> torch.export.ExportedProgram | None:
+    """A functional copy of ``program`` that torch.onnx can translate as it is with ``registry``
+    (its ``ONNXRegistry``), or None.
 
     torch.export's program writes a static cache with in-place ops on its user inputs
     (``scatter_``, ``add_``); torch.onnx functionalises them by tracing the whole program again.
     Here each in-place write of a user input becomes its functional op, the input's later readers
     read the result, and the signature gains the input-mutation output torch's functionalisation
     would add; an in-place write of a tensor the graph computed (a prefill's fresh cache) becomes
-    its functional op too; ``aten.to`` becomes ``_to_copy`` and ``__and__`` ``bitwise_and``. None (the caller lets torch.onnx
-    decompose) when anything else needs it: an op torch.onnx has no translation for or decomposes,
-    an in-place write of a buffer or of a view, a write to a tensor a view was taken of first, or a
-    higher-order op."""
+    its functional op too; ``aten.to`` becomes ``_to_copy`` and ``__and__`` ``bitwise_and``.
+
+    None (the caller lets torch.onnx decompose) when anything else needs it: an op torch.onnx has
+    no translation for or decomposes, an in-place write of a buffer or of a view, a write to a
+    tensor a view was taken of first, or a higher-order op."""
     aten = torch.ops.aten
-    implemented, decomposed = _onnx_op_tables()
+    implemented, decomposed = _onnx_op_tables(registry)
 
     def translated(target: Any) -> bool:
         return target in implemented and target not in decomposed
@@ -220,7 +221,8 @@ def translatable_program(program: torch.export.ExportedProgram) -> torch.export.
             if arguments(node).get("memory_format") not in (None, torch.preserve_format):
                 return None
             dtype = node.meta["val"].dtype  # the device is not an ONNX graph's business
-            replace_node(functional, node, GraphEditor(graph, node).call(aten._to_copy.default, node.args[0], dtype=dtype))
+            copied = GraphEditor(graph, node).call(aten._to_copy.default, node.args[0], dtype=dtype)
+            replace_node(functional, node, copied)
             continue
         if target in _OPERATOR_OPS and translated(_OPERATOR_OPS[target]):
             replace_node(functional, node, GraphEditor(graph, node).call(_OPERATOR_OPS[target], *node.args))
@@ -260,7 +262,7 @@ def translatable_program(program: torch.export.ExportedProgram) -> torch.export.
         functional._graph_signature = ExportGraphSignature(
             signature.input_specs, mutations + list(signature.output_specs)
         )
-    graph_module.recompile()
+    functional.graph_module.recompile()
     return functional
 
 
@@ -268,16 +270,14 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
     """Translate an ``ExportedProgram`` to ONNX with torch.onnx (translation only: the optimizer
     runs as the ``onnx_optimizer`` pass), its inputs and outputs named as :func:`onnx_component` says.
     The initializers are the program's own copy of the weights, not the model's tensors. A program
-    :func:`translatable_program` makes functional skips torch.onnx's decomposition (a second trace)."""
+    :func:`translatable_program` makes functional skips torch.onnx's decomposition (a second trace);
+    the ONNX program's ``exported_program`` is that functional copy."""
     require_backend("onnx", ONNX_MODULES)
     program = own_weights(program)
     fed = [i.path for i in program_inputs(program, None) if i.constant is None]  # flags are not ONNX inputs
-    with _quiet_torch_onnx():
-        functional = translatable_program(program)
-    skip = patches_applied(["onnx_program_already_decomposed"], scope=None) if functional else contextlib.nullcontext()
-    with _quiet_torch_onnx(), skip:
+    with _quiet_torch_onnx(), patches_applied(["onnx_functional_without_retrace"], scope=None):
         onnx_program = torch.onnx.export(
-            functional or program,
+            program,
             (),
             dynamo=True,
             optimize=False,
