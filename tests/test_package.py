@@ -132,11 +132,12 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
     import pytest
     import transformers.models.qwen2_vl.modeling_qwen2_vl  # noqa: F401  (a target of the vision patches)
 
-    from hfexport import PATCHES, CaptureError, DynamoExporter, HfExportError, decompose_for_generation
+    import hfexport.targets.onnx.lowering  # noqa: F401  (registers the to_onnx patch)
+    from hfexport import PATCHES, CaptureError, DynamoExporter, HfExportError, OnnxExporter, decompose_for_generation
     from hfexport.presets import PRESETS, sample_inputs
 
     scopes = {patch.scope for patch in PATCHES.values()}
-    assert scopes == {"capture", "generate"}
+    assert scopes == {"capture", "generate", "to_onnx"}
     before = _patched_state()
     assert {name for name, _ in before} == set(PATCHES)  # every patch has at least one target here
     seen: dict = {}
@@ -163,6 +164,17 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
     finally:
         handle.remove()
     assert _patched_state() == before
+
+    def failing_translation(*args, **kwargs):
+        seen["to_onnx"] = _patched_state()
+        raise RuntimeError("translation failed on purpose")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.onnx, "export", failing_translation)
+        with pytest.raises(HfExportError, match="translation failed on purpose"):
+            OnnxExporter().export(model, sample_inputs(model))
+    assert _patched_state() == before
+    assert set(seen) == {"capture", "generate", "to_onnx"}
     # inside each scope, exactly that scope's patches were on
     for scope, state in seen.items():
         for key, value in state.items():
