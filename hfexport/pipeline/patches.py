@@ -6,8 +6,8 @@ afterwards, or to observe a run:
 
 - ``"capture"``: around ``torch.export`` (:func:`hfexport.pipeline.capture.capture`);
 - ``"generate"``: around the ``model.generate`` run of the generation decomposition;
-- ``"to_onnx"``: around ``torch.onnx.export`` in the ONNX lowering, applied by name and only to a
-  program it holds for (:mod:`hfexport.targets.onnx.lowering`).
+- ``"to_onnx"``: around ``torch.onnx.export`` in the ONNX lowering
+  (:func:`hfexport.targets.onnx.lowering.to_onnx`).
 
 Each patch carries its reason and the upstream issue. :func:`patches_applied` restores every
 target on every path, errors included. A workaround that can be done on the graph is a pass, not

@@ -408,6 +408,18 @@ def test_mark_cache_mutations_records_the_static_cache_writes(tmp_path):
     dumped = json.loads(next((tmp_path / "decode").rglob("cache_mutations.json")).read_text())
     assert set(dumped) == set(mutations)
     assert "mutated_inputs=6" in (tmp_path / "decode" / "report.md").read_text()
+    # the static cache's heads, length and head size are captured static, its batch axis dynamic
+    from hfexport.pipeline.io_names import user_input_names
+
+    paths = user_input_names(programs["decode"])
+    shapes = [
+        node.meta["val"].shape
+        for node in programs["decode"].graph.nodes
+        if node.op == "placeholder" and paths.get(node.name, "").endswith(("keys", "values"))
+    ]
+    assert len(shapes) == 4
+    for batch, *rest in shapes:
+        assert isinstance(batch, torch.SymInt) and all(type(size) is int for size in rest), (batch, rest)
 
 
 @pytest.mark.parametrize("kind", ["bart", "t5", "whisper"])
