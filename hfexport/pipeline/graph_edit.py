@@ -94,20 +94,10 @@ def replace_node(program: torch.export.ExportedProgram, node: Node, replacement:
 
 def redirect_users(program: torch.export.ExportedProgram, node: Node, replacement: Node, users: set[Node]) -> None:
     """Make ``users`` (``node``'s users before ``replacement`` was built from it) read
-    ``replacement`` instead; where ``node`` was a program output, the graph signature names
+    ``replacement`` instead; where one of them is the program's output, the graph signature names
     ``replacement`` instead."""
-    from torch.export.graph_signature import ExportGraphSignature, TensorArgument
-
     node.replace_all_uses_with(replacement, delete_user_cb=lambda user: user in users)
-    specs = list(program.graph_signature.output_specs)
-    if any(getattr(spec.arg, "name", None) == node.name for spec in specs):
-        specs = [
-            dataclasses.replace(spec, arg=TensorArgument(replacement.name))
-            if isinstance(spec.arg, TensorArgument) and spec.arg.name == node.name
-            else spec
-            for spec in specs
-        ]
-        program._graph_signature = ExportGraphSignature(program.graph_signature.input_specs, specs)
+    synced_output_specs(program)
 
 
 def synced_output_specs(program: torch.export.ExportedProgram) -> None:

@@ -72,6 +72,37 @@ def test_sdpa_patch_matches_unpatched_numerics():
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
+class _SelectedPatchesAttention(torch.nn.Module):
+    def forward(self, x, keep, mask):
+        rows = x[keep]  # a data-dependent number of rows, as a vision tower's selected patches
+        return torch.nn.functional.scaled_dot_product_attention(rows, rows, rows, attn_mask=mask[keep])
+
+
+def test_sdpa_patch_takes_the_math_backend_only_for_data_dependent_sizes(monkeypatch):
+    import functools
+
+    import torch.nn.attention as attention
+
+    chosen = []
+    original = attention.sdpa_kernel
+
+    @functools.wraps(original)
+    def recording(backends, *args, **kwargs):
+        chosen.append(backends)
+        return original(backends, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_kernel", recording)
+    inputs = (torch.randn(3, 4, 5, 8), torch.tensor([True, False, True]), torch.rand(3, 1, 5, 5) > 0.3)
+    with patches_applied(["sdpa_math_backend_on_cpu"]):
+        program = torch.export.export(_SelectedPatchesAttention(), inputs, strict=False)
+        assert chosen and all(backend == attention.SDPBackend.MATH for backend in chosen)
+        traced = len(chosen)
+        q = torch.randn(2, 4, 5, 8)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)  # plain sizes: the fused kernels
+        assert len(chosen) == traced
+    torch.testing.assert_close(program.module()(*inputs), _SelectedPatchesAttention()(*inputs))
+
+
 @pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention"])
 def test_unexportable_attention_is_a_clear_error(implementation):
     model = build("tiny-llama")
