@@ -190,7 +190,8 @@ class OnnxConfig(DynamoConfig):
             ``onnx_optimizer`` and ``onnx_ort_fusions`` passes) when ``passes`` is the default
             list; with an explicit ``passes`` list, list them or not.
         quantize: ``None`` (fp32), ``"int4"`` (4-bit weights in blocks of ``quantize_group_size``
-            with a scale and a float minimum each, ONNX Runtime ``MatMulNBits``: the
+            with a scale and a float minimum each, ONNX Runtime ``MatMulNBits``, inputs quantized
+            to int8 on the fly except in the last eighth of the layers: the
             ``onnx_int4_weights`` pass) or ``"int8"`` (int8
             weights and dynamically quantized activations: ``onnx_int8_dynamic``), appended to the
             pass list. ``verify`` then checks the logits' cosine similarity (at least 0.98) and

@@ -41,9 +41,12 @@ def minimum_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.
     return packed, scale.astype(np.float32), low.astype(np.float32)
 
 
-def rewrite_with_minimum_blocks(model: Any, names: set[str], block_size: int, accuracy_level: int) -> int:
+def rewrite_with_minimum_blocks(
+    model: Any, names: set[str], block_size: int, accuracy_level: int, float_inputs: frozenset[str] = frozenset()
+) -> int:
     """Replace each MatMul in ``names`` (top graph, constant [K, N] weight) by the form above, in
-    place, and return how many.
+    place, and return how many. A ``MatMulNBits`` that takes a MatMul in ``float_inputs`` gets
+    ``accuracy_level`` 1 (its input stays fp32), the others ``accuracy_level``.
 
     The MatMuls that read one input (a layer's q, k and v projections; its gate and up
     projections) are packed into one: their weights side by side along N, one ``MatMulNBits``,
@@ -104,7 +107,7 @@ def rewrite_with_minimum_blocks(model: Any, names: set[str], block_size: int, ac
                 N=n,
                 bits=4,
                 block_size=block_size,
-                accuracy_level=accuracy_level,
+                accuracy_level=1 if any(member.name in float_inputs for member in group) else accuracy_level,
             ),
             helper.make_node("MatMul", [sums, f"{base}_minimums"], [f"{y}_minimums"], name=f"{label}_min"),
             helper.make_node("Add", [f"{y}_q4", f"{y}_minimums"], [y], name=f"{label}_add"),

@@ -51,6 +51,12 @@ def test_onnx_quantization_pass_quantizes_every_linear_layer(mode, op, min_cosin
         block_sums = [node for node in graph if node.op_type == "MatMul" and node.name.endswith("_block_sums")]
         splits = [len(node.outputs) for node in graph if node.op_type == "Split"]
         assert len(minimums) == len(block_sums) == 2 * 4 and sorted(splits) == [2, 2, 3, 3]
+        # int8 inputs on the fly, but the last eighth of the 14 4-bit weights (the last down
+        # projection) keeps its input in fp32
+        levels = [
+            (n.attributes["bits"].as_int(), n.attributes["accuracy_level"].as_int()) for n in graph if n.op_type == op
+        ]
+        assert levels == [(4, 4)] * 7 + [(4, 1), (8, 4)] and record.counts["float_input_weights"] == 1
     # verify checked the logits by cosine similarity, and the report says what it measured
     assert "quantized: logit cosine" in result.report and "top-1 agreement" in result.report
     save_export(tmp_path, {"model": result})
@@ -227,6 +233,33 @@ def test_quantize_modes_and_group_sizes_are_checked_when_the_config_is_built():
     for quantization in (OnnxInt4Weights, Int4WeightsInt8Activations):
         with pytest.raises(ConfigError, match="rescore_top must be a whole number .* got -1"):
             quantization(rescore_top=-1)
+    with pytest.raises(ConfigError, match="float_tail must be a fraction of the linear layers from 0 to 1, got 8"):
+        OnnxInt4Weights(float_tail=8)
+
+
+@pytest.mark.parametrize("minimums", [True, False])
+def test_int4_keeps_the_inputs_of_the_layers_nearest_the_logits_in_fp32(minimums):
+    # 4 layers x 7 4-bit weights: float_tail 1/4 is the last 7 in graph order, the last layer; a packed
+    # group (q, k, v) counts whole once any of it is in
+    from hfexport.exporters import OnnxExporter as Exporter
+    from hfexport.passes.quantize import OnnxInt4Weights
+
+    model = build("tiny-llama", num_hidden_layers=4)
+    inputs = sample_inputs(model)
+    levels = {}
+    for tail in (1 / 4, 1 / 8, 0):
+        quantize = OnnxInt4Weights(minimums=minimums, float_tail=tail)  # the output projection: 8 bits
+        result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter.default_passes, quantize]))
+        graph = result.program.model.graph
+        nodes = [node for node in graph if node.op_type == "MatMulNBits" and node.attributes["bits"].as_int() == 4]
+        levels[tail] = [node.attributes["accuracy_level"].as_int() for node in nodes]
+        (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
+        assert record.counts.get("float_input_weights", 0) == {1 / 4: 7, 1 / 8: 3, 0: 0}[tail]
+    per_layer = 4 if minimums else 7  # packed: q k v, o, gate up, down
+    assert levels[1 / 4] == [4] * 3 * per_layer + [1] * per_layer
+    # 3 weights (gate, up, down): with minimums gate and up share one MatMulNBits
+    assert levels[1 / 8] == [4] * (4 * per_layer - (2 if minimums else 3)) + [1] * (2 if minimums else 3)
+    assert levels[0] == [4] * 4 * per_layer
 
 
 def test_cli_quantize_flag(tmp_path):
