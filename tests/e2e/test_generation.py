@@ -278,6 +278,14 @@ def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tm
     assert torch.equal(tokens, reference_tokens(model, prompt))
     # IO binding wrote the cache in place: the counter in our own buffer advanced
     assert int(decoder.cache["cache.layers.0.cumulative_length"]) == 6 + 15
+    # the logits go to a tensor bound for each step: its shape from the inputs' axes, never reused
+    assert decoder.logits_dims == [("input_ids", 0), ("input_ids", 1), model.config.vocab_size]
+    monkeypatch.setattr(type(decoder.binding), "get_outputs", lambda self: pytest.fail("outputs wrapped"))
+    valid = torch.ones(2, decoder.max_cache_len, dtype=torch.long)
+    ids = prompt["input_ids"][:, :1]
+    steps = [decoder(ids, valid, torch.tensor([i]), torch.full((2, 1), i)) for i in range(2)]
+    assert steps[0].shape == (2, 1, model.config.vocab_size) and steps[0].data_ptr() != steps[1].data_ptr()
+    monkeypatch.undo()
     assert_a_second_generation_matches(decoder, model)
 
 
