@@ -206,6 +206,13 @@ def _generate(args: argparse.Namespace) -> int:
         )
         print()
     print(result.figures(), file=sys.stderr)
+    if result.stop == "cache full":
+        print(
+            f"stopped: the prompt and the answer filled the export's cache "
+            f"({result.prompt_tokens + len(result.tokens)} tokens); export again with a larger --max-cache-len "
+            "for a longer answer",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -331,7 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="export the generation components `hfexport generate` needs: a static-cache decode graph that "
         "takes the prompt too, and a prefill only where decode takes one token (implies --dynamic)",
     )
-    export.add_argument("--max-cache-len", type=positive_int, default=64, help="static cache length with --generation")
+    export.add_argument(
+        "--max-cache-len",
+        type=positive_int,
+        default=256,
+        help="static cache length with --generation: the prompt and the answer together (each decode step reads "
+        "the whole cache, so a shorter one decodes a little faster)",
+    )
     export.add_argument(
         "--components",
         help="with --generation, the comma-separated components to export (default: all but a decoder-only "
@@ -347,7 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="the prompt text (tokenised with the export's tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     generate.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to --prompt")
-    generate.add_argument("--max-new-tokens", type=positive_int, default=16)
+    generate.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        help="stop after this many new tokens (default: at an end-of-sequence token or when the static cache is full)",
+    )
     generate.add_argument("--trust-artifact", action="store_true", help=TRUST_HELP)
     generate.set_defaults(run=_generate)
 

@@ -188,13 +188,15 @@ def greedy_decode(
 
 @dataclass
 class Generation:
-    """What :meth:`TextGenerator.generate` produced: the new token ids, their text, and how fast."""
+    """What :meth:`TextGenerator.generate` produced: the new token ids, their text, how fast, and
+    why it stopped (``stop``: ``"end of sequence"``, ``"max_new_tokens"`` or ``"cache full"``)."""
 
     tokens: list[int]
     text: str
     prompt_tokens: int
     first_token_seconds: float  # prefill: from the call to the first new token
     decode_seconds: float  # every later token
+    stop: str = "end of sequence"
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -289,13 +291,22 @@ class TextGenerator:
     def generate(
         self,
         prompt: str | Sequence[int],
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         chat: bool = False,
         stream: Callable[[str], None] | None = None,
     ) -> Generation:
-        """Greedy generation until an EOS token or ``max_new_tokens``; ``stream(text)`` receives the
-        decoded text piece by piece as tokens come (needs the tokenizer)."""
+        """Greedy generation until an EOS token or ``max_new_tokens`` (``None``: until the static
+        cache is full); ``stream(text)`` receives the decoded text piece by piece as tokens come
+        (needs the tokenizer)."""
         prompt_ids = self.encode(prompt, chat)
+        room = self.decoder.max_cache_len - prompt_ids.shape[1]
+        if max_new_tokens is None:
+            if room < 1:
+                raise HfExportError(
+                    f"the prompt ({prompt_ids.shape[1]} tokens) fills the export's whole cache "
+                    f"({self.decoder.max_cache_len} tokens); export again with a larger --max-cache-len"
+                )
+            max_new_tokens = room
         new: list[int] = []
         times: list[float] = []
         shown = ""
@@ -320,7 +331,14 @@ class TextGenerator:
             on_token=on_token,
         )
         text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return Generation(new, text, prompt_ids.shape[1], times[0] - started, times[-1] - times[0])
+        stop = (
+            "end of sequence"
+            if new[-1] in self.eos_token_id
+            else "cache full"
+            if len(new) == room
+            else "max_new_tokens"
+        )
+        return Generation(new, text, prompt_ids.shape[1], times[0] - started, times[-1] - times[0], stop)
 
 
 def load(folder: str | Path, trust: bool = False) -> TextGenerator:

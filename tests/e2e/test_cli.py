@@ -144,13 +144,16 @@ def test_generation_export_of_the_components_asked_for_generates(tmp_path):
 
 def test_generation_export_with_no_options_generates(tmp_path):
     # --generation implies --dynamic: a static decode graph could not take a prompt, then one token
+    # and generate without --max-new-tokens goes on until the default cache of 256 is full (a random
+    # model says no end-of-sequence token), and says so
     out = tmp_path / "gen"
     run("export", "tiny-llama", "--generation", "--out", out)
-    result = run("generate", out, "--prompt-ids", "5,9,14,2,77", "--max-new-tokens", "8")
+    result = run("generate", out, "--prompt-ids", "5,9,14,2,77")
     model = build("tiny-llama")
     with torch.no_grad():
         expected = model.generate(
-            torch.tensor([[5, 9, 14, 2, 77]]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+            torch.tensor([[5, 9, 14, 2, 77]]), max_new_tokens=251, min_new_tokens=251, do_sample=False
         )
     assert result.stdout.strip().splitlines()[-1] == ",".join(map(str, expected[0, 5:].tolist()))
-    assert "decode" in result.stderr and "tok/s" in result.stderr  # the figures line
+    assert "decode" in result.stderr and "(251 new tokens)" in result.stderr  # the figures line
+    assert "stopped: the prompt and the answer filled the export's cache (256 tokens)" in result.stderr

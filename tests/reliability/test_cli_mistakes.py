@@ -98,7 +98,14 @@ def test_generate_mistakes_are_one_line(generation_export, tmp_path, capsys):
     one_line_error(capsys, ["generate", generation_export, "--prompt-ids", "5", "--max-new-tokens", "0"], "at least 1")
     one_line_error(capsys, ["generate", generation_export, "--prompt-ids", "5", "--chat"], "--chat", "--prompt text")
     long = ",".join(["5"] * 60)
-    one_line_error(capsys, ["generate", generation_export, "--prompt-ids", long], "prompt (60) + new tokens (16)")
+    too_many = ["--max-new-tokens", "250"]
+    one_line_error(
+        capsys, ["generate", generation_export, "--prompt-ids", long, *too_many], "prompt (60) + new tokens (250)"
+    )
+    full = ",".join(["5"] * 256)
+    one_line_error(
+        capsys, ["generate", generation_export, "--prompt-ids", full], "prompt (256 tokens) fills", "--max-cache-len"
+    )
     static = tmp_path / "static"
     assert main(["export", "tiny-llama", "--out", str(static)]) == 0
     one_line_error(capsys, ["generate", static, "--prompt-ids", "5"], "single-graph export")
