@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
-from hfexport.pipeline.graph_edit import GraphEditor, add_constant, arguments, replace_node
+from hfexport.pipeline.graph_edit import SLICE_TO_END, GraphEditor, add_constant, arguments, replace_node
 from hfexport.pipeline.pass_manager import PassResult, register_pass
 from hfexport.pipeline.rewrite_rules import RewriteRule, rule_pass
 
@@ -53,9 +53,6 @@ zero_fully_masked_attention_rows = rule_pass(
 )
 
 
-_MAX_INDEX = 2**62  # a slice end at least this large is "to the end" (torch writes sys.maxsize)
-
-
 def _strip_full_slices(node: Any) -> Any:
     while (
         isinstance(node, Node)
@@ -72,7 +69,7 @@ def _is_full_slice(node: Node) -> bool:
     start, end, step = args.get("start", 0), args.get("end"), args.get("step", 1)
     if start not in (0, None) or step != 1:
         return False
-    if end is None or (isinstance(end, int) and end >= _MAX_INDEX):
+    if end is None or (isinstance(end, int) and end >= SLICE_TO_END):
         return True
     size = args["self"].meta["val"].shape[args.get("dim", 0)]
     return isinstance(end, int) and isinstance(size, int) and end >= size

@@ -7,12 +7,10 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from hfexport.pipeline.graph_edit import GraphEditor, add_constant, arguments, replace_node
+from hfexport.pipeline.graph_edit import SLICE_TO_END, GraphEditor, add_constant, arguments, replace_node
 from hfexport.pipeline.pass_manager import PassResult, register_pass
 
 aten = torch.ops.aten
-
-_END = 2**62  # a slice end at least this large is "to the end" (torch writes sys.maxsize)
 
 
 def _last_axis_slice(node: Any, rank: int) -> tuple[Node, int, int] | None:
@@ -26,7 +24,7 @@ def _last_axis_slice(node: Any, rank: int) -> tuple[Node, int, int] | None:
     if dim not in (-1, rank - 1) or args.get("step", 1) != 1 or not isinstance(size, int):
         return None
     start, end = args.get("start") or 0, args.get("end")
-    end = size if end is None or (isinstance(end, int) and end >= _END) else end
+    end = size if end is None or (isinstance(end, int) and end >= SLICE_TO_END) else end
     if not isinstance(start, int) or not isinstance(end, int):
         return None
     return x, start, min(end, size)

@@ -14,6 +14,8 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 
+SLICE_TO_END = 2**62  # an aten.slice end at least this large is "to the end" (torch writes sys.maxsize)
+
 
 class GraphEditor:
     """Insert ATen calls before ``anchor`` with their fake values computed."""
