@@ -499,6 +499,8 @@ def chart(rows: list[Row], path: Path) -> None:
         axis.set_xticks(range(len(names)), names, rotation=35, ha="right")
         axis.set_title(model)
         axis.set_ylabel("decode tokens/s (batch 1)")
+        # headroom, so the legend covers no bar or bound
+        axis.set_ylim(0, 1.4 * max(max(r.decode_tps, r.bound_tps) for r in mine))
         axis.legend(loc="upper left")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
