@@ -293,3 +293,43 @@ def test_an_in_place_input_write_reaches_onnx_without_torch_onnx_retracing_it(mo
     expected = inputs["x"] * 2
     expected[:, 0] += 1
     torch.testing.assert_close(torch.as_tensor(got), expected)
+
+
+class _MixesDtypes(torch.nn.Module):
+    def forward(self, x, n):
+        return (x + n) * 2 + torch.div(n, 3), n * 1.5
+
+
+def test_type_promotion_reads_recorded_values_and_gives_torch_onnx_own_graph(monkeypatch):
+    from hfexport.targets.onnx import lowering
+
+    inputs = {"x": torch.randn(2, 3), "n": torch.arange(6).reshape(2, 3)}
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(_MixesDtypes(), (), inputs, dynamic_shapes={"x": {0: batch}, "n": {0: batch}})
+    runs = []
+    original_run_node = torch.fx.Interpreter.run_node
+    monkeypatch.setattr(
+        torch.fx.Interpreter, "run_node", lambda self, node: runs.append(1) or original_run_node(self, node)
+    )
+
+    ours = lowering.to_onnx(program)
+    ours_runs, runs[:] = len(runs), []
+    original = lowering.patches_applied
+    monkeypatch.setattr(
+        lowering,
+        "patches_applied",
+        lambda names, scope=None: original([n for n in names if n != "onnx_type_promotion_from_metadata"], scope=scope),
+    )
+    torch_own = lowering.to_onnx(program)
+
+    def op_types(onnx_program):
+        return [node.op_type for node in onnx_program.model.graph]
+
+    assert op_types(ours) == op_types(torch_own)
+    assert op_types(ours).count("Cast") >= 2  # the int input promoted to float, the int division's result
+    # torch's own pass runs every node again on fake tensors; ours only the inputs, the output and
+    # the nodes it changed
+    assert ours_runs < len(runs)
+    expected = _MixesDtypes()(**inputs)
+    for got, want in zip(lowering.run_onnx_program(ours, inputs), expected, strict=True):
+        torch.testing.assert_close(torch.as_tensor(got), want)
