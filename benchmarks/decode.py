@@ -7,7 +7,9 @@ For each model (SmolLM2-135M-Instruct with its real weights, and a mid-size rand
 target, the script exports the generation ``decode`` graph (static cache, multi-token decode: the
 one graph serves the prompt and every step) and measures:
 
-- export time per stage and the peak RSS, the artifact size, the time to load it;
+- the export as a user runs it, ``hfexport export … --generation`` in a child process (as the peers'
+  exports run: imports, the checkpoint's load and the artifact's writing included): wall and CPU
+  time, seconds per stage, peak RSS; the artifact size, the time to load it;
 - time to first token, prefill tokens/s and decode tokens/s of greedy generation on a chat prompt
   (median of ``--repeats`` runs after one warm-up run), next to eager PyTorch's ``generate``
   (static cache) in the same process;
@@ -46,6 +48,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import subprocess
 import sys
@@ -56,18 +60,19 @@ from pathlib import Path
 
 import torch
 
-from hfexport import AutoExportConfig, ExportFolder, run_for_generation, save_export
+from hfexport import AutoExportConfig, ExportFolder
 from hfexport.generation import greedy_decode
-from hfexport.pipeline.instruments import TimingInstrument
 from hfexport.presets import PRESETS, load_model, model_folder
 from hfexport.targets.onnx import OnnxDecoder
 
 sys.path.insert(0, str(Path(__file__).parent))
+from peers import timed_child
 from stages_and_latency import SIZES  # the mid-size Llama of the stage benchmark
 
 QUESTION = "What is the capital of France? Answer in one sentence, then name two famous museums there."
 # the teacher-forced agreement: the model's own 64 greedy tokens after this chat prompt
 TEACHER_FORCED_QUESTION = "What is the capital of France?"
+HFEXPORT = [sys.executable, "-c", "from hfexport.cli import main; main()"]  # this venv's command line
 SHORT_ANSWER_TOKENS = 24  # the greedy answer to TEACHER_FORCED_QUESTION that the table quotes
 TEACHER_FORCED_TOKENS = 64
 
@@ -293,6 +298,40 @@ def variant_config(variant: str) -> tuple[str, object]:
     return target, config
 
 
+def saved_folder(model: torch.nn.Module, folder: Path) -> Path:
+    """A random model written where the command line can load it (``save_pretrained``)."""
+    model.save_pretrained(folder)
+    return folder
+
+
+STAGE_LINE = re.compile(r"^\[\d+/\d+\] (\w+) done in ([\d.]+)s")
+
+
+def cli_export(variant: str, config, checkpoint: Path, out: Path, args) -> tuple[float, float, float, dict[str, float]]:
+    """Export ``variant`` as a user does, ``hfexport export … --generation`` in a child process, as
+    ``peers.py`` exports a peer: (wall seconds, CPU seconds, peak RSS MiB, seconds per stage). Its
+    imports, the checkpoint's load and the artifact's writing count, as they do for the peers. A
+    variant that changes the pass list gives it as ``--config``."""
+    target, _, quantize = re.split(r"(?=[+-])", variant)[0].partition(":")
+    command = [*HFEXPORT, "export", str(checkpoint), "--format", target, "--generation"]
+    command += ["--max-cache-len", str(args.cache_len), "--out", str(out), "--overwrite"]
+    if quantize:
+        command += ["--quantize", quantize]
+    if config.passes is not None:
+        (out.parent / "passes.json").write_text(json.dumps({"passes": [getattr(p, "name", p) for p in config.passes]}))
+        command += ["--config", str(out.parent / "passes.json")]
+    stages: dict[str, float] = {}
+
+    def on_line(line: str) -> None:
+        print(line, end="", file=sys.stderr)
+        if match := STAGE_LINE.match(line):
+            stages[match[1]] = stages.get(match[1], 0.0) + float(match[2])
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}  # as peers.py sets torch's threads
+    wall, cpu, rss = timed_child(command, env, on_line)
+    return wall, cpu, rss, stages
+
+
 def folder_mb(folder: Path, names: list[str]) -> float:
     return sum((folder / name).stat().st_size for name in names) / 2**20
 
@@ -312,95 +351,92 @@ def answer_text(tokenizer, tokens: torch.Tensor, prompt_len: int) -> str:
 
 
 def benchmark(args: argparse.Namespace) -> list[Row]:
-    from transformers import GenerationConfig
-
     torch.set_num_threads(args.threads)
     if "executorch" in args.targets:
         from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
         _unsafe_reset_threadpool(args.threads)
     rows = []
-    for model_name in args.models:
-        model, folder = build_model(model_name)
-        ids = prompt_ids(folder, model.config.vocab_size)
-        forced_ids = prompt_ids(folder, model.config.vocab_size, TEACHER_FORCED_QUESTION)
-        teacher = TeacherForced(model, forced_ids, TEACHER_FORCED_TOKENS)
-        tokenizer = None
-        if folder is not None:
-            from transformers import AutoTokenizer
+    with tempfile.TemporaryDirectory() as work:  # a random model's folder, for the command line
+        for model_name in args.models:
+            model, folder = build_model(model_name)
+            ids = prompt_ids(folder, model.config.vocab_size)
+            forced_ids = prompt_ids(folder, model.config.vocab_size, TEACHER_FORCED_QUESTION)
+            teacher = TeacherForced(model, forced_ids, TEACHER_FORCED_TOKENS)
+            tokenizer = None
+            if folder is not None:
+                from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-        eos = None if folder is None else model.generation_config.eos_token_id
-        with torch.no_grad():
-            prompt_logits = model(ids).logits[:, -1]
-        eager = EagerDecoder(model, args.cache_len)
-        bandwidth = memory_bandwidth_gbs()
-        reference, first, prefill, decode = eager.run(ids, args.new_tokens, eos, args.repeats)
-        row = Row(model_name, "eager", first_token_seconds=first, prefill_tps=prefill, decode_tps=decode)
-        # the static-cache decode graph attends over every slot of the cache
-        bound = bandwidth * 1e9 / bytes_per_token(model, args.cache_len)
-        row.bandwidth_gbs, row.bound_tps, row.agreement, row.top1 = bandwidth, bound, "reference", 1.0
-        row.answer = answer_text(tokenizer, reference, ids.shape[1])
-        short = teacher.tokens[:, : teacher.prompt_len + SHORT_ANSWER_TOKENS]
-        row.short_answer = answer_text(tokenizer, short, teacher.prompt_len)
-        rows.append(row)
-        print(f"{model_name} eager: decode {decode:.1f} tok/s (bound {bound:.1f})", file=sys.stderr)
-        static = GenerationConfig(cache_implementation="static", max_cache_len=args.cache_len)
-        sample = {"input_ids": ids[:, :8], "attention_mask": torch.ones_like(ids[:, :8])}
-        for variant in args.targets:
-            target, config = variant_config(variant)
-            timing = TimingInstrument()
-            start, cpu = time.perf_counter(), time.process_time()
-            results = run_for_generation(model, sample, [config], static, True, (timing,), components=["decode"])
-            row = Row(model_name, variant, time.perf_counter() - start, time.process_time() - cpu)
-            result = results["decode"][target]
-            row.stage_seconds = {r.name: r.seconds for r in result.records if r.kind == "stage"}
-            row.peak_rss_mb = max(r.peak_rss_mb for r in result.records)
-            with tempfile.TemporaryDirectory() as out:
-                manifest = save_export(out, {"decode": result}, generation={"max_cache_len": args.cache_len})
-                row.artifact_mb = folder_mb(Path(out), [spec.file for spec in manifest.components.values()])
-                export = ExportFolder(out)
-
-                def load(export: ExportFolder = export, target: str = target) -> object:
-                    if target == "onnx":  # ONNX Runtime's threads are per session
-                        spec = export.manifest.component("decode")
-                        return OnnxDecoder(export.folder / spec.file, 1, spec, threads=args.threads)
-                    return export.decoder(batch_size=1)
-
-                start = time.perf_counter()
-                load()
-                row.load_seconds = time.perf_counter() - start
-                row.bandwidth_gbs = memory_bandwidth_gbs()
-                tokens, first, prefill, decode, logits = timed_generation(
-                    load(),
-                    ids,
-                    args.new_tokens,
-                    args.cache_len,
-                    eos,
-                    args.repeats,
-                )
-                row.top1 = teacher.top1(load(), args.cache_len)
-                short = teacher.answer(load(), args.cache_len, eos)
-            row.answer = answer_text(tokenizer, tokens, ids.shape[1])
+                tokenizer = AutoTokenizer.from_pretrained(folder)
+            eos = None if folder is None else model.generation_config.eos_token_id
+            with torch.no_grad():
+                prompt_logits = model(ids).logits[:, -1]
+            eager = EagerDecoder(model, args.cache_len)
+            bandwidth = memory_bandwidth_gbs()
+            reference, first, prefill, decode = eager.run(ids, args.new_tokens, eos, args.repeats)
+            row = Row(model_name, "eager", first_token_seconds=first, prefill_tps=prefill, decode_tps=decode)
+            # the static-cache decode graph attends over every slot of the cache
+            bound = bandwidth * 1e9 / bytes_per_token(model, args.cache_len)
+            row.bandwidth_gbs, row.bound_tps, row.agreement, row.top1 = bandwidth, bound, "reference", 1.0
+            row.answer = answer_text(tokenizer, reference, ids.shape[1])
+            short = teacher.tokens[:, : teacher.prompt_len + SHORT_ANSWER_TOKENS]
             row.short_answer = answer_text(tokenizer, short, teacher.prompt_len)
-            row.first_token_seconds, row.prefill_tps, row.decode_tps = first, prefill, decode
-            quantized = getattr(config, "quantize", None)
-            weight_bytes = row.artifact_mb * 2**20 - embedding_bytes(model) if quantized else None
-            row.bound_tps = row.bandwidth_gbs * 1e9 / bytes_per_token(model, args.cache_len, weight_bytes)
-            cosine = float(torch.nn.functional.cosine_similarity(logits.flatten(), prompt_logits.flatten(), dim=0))
-            row.agreement = f"{leading_agreement(tokens, reference, ids.shape[1])}, logit cosine {cosine:.4f}"
             rows.append(row)
-            print(
-                f"{model_name} {variant}: export {row.export_seconds:.0f} s, decode {decode:.1f} tok/s "
-                f"({decode / row.bound_tps:.0%} of the bound), {row.agreement}, teacher-forced top-1 {row.top1:.0%}"
-                + (f", answer: {row.answer!r}" if row.answer else ""),
-                file=sys.stderr,
-            )
-        if folder is not None:
-            for variant in args.peers:
-                row = peer_row(args, variant, model_name, folder, model, reference, ids.shape[1], teacher, tokenizer)
-                if row is not None:
-                    rows.append(row)
+            print(f"{model_name} eager: decode {decode:.1f} tok/s (bound {bound:.1f})", file=sys.stderr)
+            checkpoint = folder if folder is not None else saved_folder(model, Path(work) / model_name)
+            for variant in args.targets:
+                target, config = variant_config(variant)
+                with tempfile.TemporaryDirectory() as scratch:
+                    out = Path(scratch) / "export"
+                    row = Row(model_name, variant)
+                    row.export_seconds, row.export_cpu_seconds, row.peak_rss_mb, row.stage_seconds = cli_export(
+                        variant, config, checkpoint, out, args
+                    )
+                    export = ExportFolder(out)
+                    row.artifact_mb = folder_mb(out, [spec.file for spec in export.manifest.components.values()])
+
+                    def load(export: ExportFolder = export, target: str = target) -> object:
+                        if target == "onnx":  # ONNX Runtime's threads are per session
+                            spec = export.manifest.component("decode")
+                            return OnnxDecoder(export.folder / spec.file, 1, spec, threads=args.threads)
+                        return export.decoder(batch_size=1)
+
+                    start = time.perf_counter()
+                    load()
+                    row.load_seconds = time.perf_counter() - start
+                    row.bandwidth_gbs = memory_bandwidth_gbs()
+                    tokens, first, prefill, decode, logits = timed_generation(
+                        load(),
+                        ids,
+                        args.new_tokens,
+                        args.cache_len,
+                        eos,
+                        args.repeats,
+                    )
+                    row.top1 = teacher.top1(load(), args.cache_len)
+                    short = teacher.answer(load(), args.cache_len, eos)
+                row.answer = answer_text(tokenizer, tokens, ids.shape[1])
+                row.short_answer = answer_text(tokenizer, short, teacher.prompt_len)
+                row.first_token_seconds, row.prefill_tps, row.decode_tps = first, prefill, decode
+                quantized = getattr(config, "quantize", None)
+                weight_bytes = row.artifact_mb * 2**20 - embedding_bytes(model) if quantized else None
+                row.bound_tps = row.bandwidth_gbs * 1e9 / bytes_per_token(model, args.cache_len, weight_bytes)
+                cosine = float(torch.nn.functional.cosine_similarity(logits.flatten(), prompt_logits.flatten(), dim=0))
+                row.agreement = f"{leading_agreement(tokens, reference, ids.shape[1])}, logit cosine {cosine:.4f}"
+                rows.append(row)
+                print(
+                    f"{model_name} {variant}: export {row.export_seconds:.0f} s, decode {decode:.1f} tok/s "
+                    f"({decode / row.bound_tps:.0%} of the bound), {row.agreement}, teacher-forced top-1 {row.top1:.0%}"
+                    + (f", answer: {row.answer!r}" if row.answer else ""),
+                    file=sys.stderr,
+                )
+            if folder is not None:
+                for variant in args.peers:
+                    row = peer_row(
+                        args, variant, model_name, folder, model, reference, ids.shape[1], teacher, tokenizer
+                    )
+                    if row is not None:
+                        rows.append(row)
     return rows
 
 

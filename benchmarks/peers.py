@@ -185,14 +185,48 @@ def timed_export(variant: Variant, folder: Path, out: Path, threads: int) -> tup
     """(wall seconds, CPU seconds, peak RSS MiB) of the export, run as ``--export-only`` in a child process."""
     command = [sys.executable, __file__, "--export-only", str(out), "--variant", variant.name]
     command += ["--folder", str(folder), "--threads", str(threads), "--cache-len", str(variant_cache_len(variant))]
-    start = time.perf_counter()
-    child = subprocess.Popen(command)
-    _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage (RUSAGE_CHILDREN would mix in earlier ones)
-    wall = time.perf_counter() - start
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        raise subprocess.CalledProcessError(child.returncode, command)
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024  # Linux reports ru_maxrss in KiB
+    return timed_child(command)
+
+
+# Linux keeps a process's peak RSS across exec, and a forked child starts from its parent's: a
+# command started from this process (or from the benchmark's, which holds the eager model) would
+# report at least this process's peak. The launcher, a small Python, starts the command and reports
+# that child's own usage, as GNU time does.
+_LAUNCHER = """
+import json, os, subprocess, sys
+child = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(child.pid, 0)
+with open(sys.argv[1], "w") as out:
+    json.dump({"cpu": usage.ru_utime + usage.ru_stime, "maxrss_kib": usage.ru_maxrss}, out)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def timed_child(
+    command: list[str], env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None
+) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak RSS MiB) of ``command`` run as a child process (started by
+    a small launcher, so that its peak RSS is its own). With ``on_line``, its stderr goes through
+    ``on_line`` line by line (``benchmarks/decode.py`` reads hfexport's stage lines from it)
+    instead of straight to this process's stderr."""
+    with tempfile.TemporaryDirectory() as scratch:
+        usage_file = Path(scratch) / "usage.json"
+        start = time.perf_counter()
+        child = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER, str(usage_file), *command],
+            env=env,
+            stderr=subprocess.PIPE if on_line else None,
+            text=True,
+        )
+        if on_line is not None:
+            for line in child.stderr:  # read to the end before waiting: a full pipe would block the child
+                on_line(line)
+        child.wait()
+        wall = time.perf_counter() - start
+        if child.returncode != 0:
+            raise subprocess.CalledProcessError(child.returncode, command)
+        usage = json.loads(usage_file.read_text())
+    return wall, usage["cpu"], usage["maxrss_kib"] / 1024  # Linux reports ru_maxrss in KiB
 
 
 def variant_cache_len(variant: Variant) -> int:
