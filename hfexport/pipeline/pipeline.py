@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -275,7 +276,11 @@ class Pipeline:
         pipeline's own), or take a copy of the ``shared`` capture, and run every stage; see
         :class:`PipelineResult`. One run at a time per process: a run started in another thread
         waits (:data:`~hfexport.pipeline.patches.EXPORT_LOCK`)."""
-        with EXPORT_LOCK:
+        with EXPORT_LOCK, warnings.catch_warnings():
+            # torch's deepcopy of a program's tree specs (to_edge's, the ONNX lowering's) makes a
+            # LeafSpec, whose class warns on every instance it makes, once per copy: noise between
+            # the stage lines, about torch's own code
+            warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
             return self._run(model, inputs, config, bounds, shared)
 
     def _run(
