@@ -93,17 +93,32 @@ def _repeated_kv(node: Any) -> tuple[Node, int] | None:
     return kv, groups
 
 
-def _is_sdpa_over_repeated_kv(node: Node) -> bool:
+def _kv_heads(node: Node) -> tuple[tuple[Node, int] | None, tuple[Node, int] | None]:
+    """The ``(kv, groups)`` of an SDPA's keys and of its values: under ``repeat_kv``, or read by
+    SDPA's own ``enable_gqa`` (query heads a multiple of the key/value heads)."""
+    args = arguments(node)
+    if not args.get("enable_gqa"):
+        return _repeated_kv(args["key"]), _repeated_kv(args["value"])
+    heads = args["query"].meta["val"].shape[1]
+    grouped = []
+    for kv in (args["key"], args["value"]):
+        kv_heads = kv.meta["val"].shape[1]
+        ok = isinstance(heads, int) and isinstance(kv_heads, int) and heads > kv_heads and heads % kv_heads == 0
+        grouped.append((kv, heads // kv_heads) if ok else None)
+    return grouped[0], grouped[1]
+
+
+def _is_grouped_sdpa(node: Node) -> bool:
     return (
         node.op == "call_function"
         and node.target is aten.scaled_dot_product_attention.default
-        and _repeated_kv(arguments(node)["key"]) is not None
+        and _kv_heads(node)[0] is not None
     )
 
 
 def _check_grouped(node: Node) -> str | None:
     args = arguments(node)
-    key, value = _repeated_kv(args["key"]), _repeated_kv(args["value"])
+    key, value = _kv_heads(node)
     if value is None or key[1] != value[1]:
         return "keys and values are not repeated alike"
     if args.get("is_causal") or args.get("dropout_p", 0.0):
@@ -147,7 +162,7 @@ def _users_chain(node: Node, depth: int = 3) -> list[Node]:
 def _rewrite_grouped(graph: Graph, node: Node) -> None:
     args = arguments(node)
     query, mask = args["query"], args.get("attn_mask")
-    (key, groups), (value, _) = _repeated_kv(args["key"]), _repeated_kv(args["value"])
+    (key, groups), (value, _) = _kv_heads(node)
     edit = GraphEditor(graph, node)
     batch, heads, dim = _size(edit, query, 0), query.meta["val"].shape[1], query.meta["val"].shape[3]
     kv_heads = heads // groups
@@ -165,13 +180,14 @@ def _rewrite_grouped(graph: Graph, node: Node) -> None:
 
 grouped_query_attention = rule_pass(
     "grouped_query_attention",
-    [RewriteRule("attend_per_kv_head", _is_sdpa_over_repeated_kv, _check_grouped, _rewrite_grouped)],
+    [RewriteRule("attend_per_kv_head", _is_grouped_sdpa, _check_grouped, _rewrite_grouped)],
     runs_before=("dead_code_elimination", "zero_fully_masked_attention_rows"),
     description="""Attend over each key/value head once instead of over copies of it: SDPA over
     transformers' ``repeat_kv`` keys and values (each KV head expanded to the query heads that share
-    it) becomes SDPA of ``[batch, kv_heads, groups * queries, dim]`` queries over the KV heads
-    themselves, with the mask's rows repeated per group once for all layers (the query rows are
-    few; the cache is long).
+    it), or SDPA with ``enable_gqa`` (how hfexport captures transformers' attention: the
+    ``sdpa_grouped_query_attention`` patch), becomes plain SDPA of ``[batch, kv_heads, groups *
+    queries, dim]`` queries over the KV heads themselves, with the mask's rows repeated per group
+    once for all layers (the query rows are few; the cache is long).
 
     On targets that materialise the expansion (ExecuTorch's portable ``expand_copy`` and
     ``view_copy``, ONNX ``Expand``) this saves copying every layer's whole KV cache ``groups``

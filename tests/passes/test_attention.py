@@ -55,10 +55,19 @@ class GroupedAttention(torch.nn.Module):
         )
 
 
+class NativeGroupedAttention(torch.nn.Module):
+    """SDPA's own grouped-query attention, as hfexport captures transformers' (its
+    ``sdpa_grouped_query_attention`` patch)."""
+
+    def forward(self, q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+
+
+@pytest.mark.parametrize("module", [GroupedAttention, NativeGroupedAttention])
 @pytest.mark.parametrize(
     ("mask_shape", "dtype"), [((2, 1, 5, 9), torch.bool), ((2, 1, 1, 9), torch.bool), ((1, 1, 5, 9), torch.float32)]
 )
-def test_grouped_query_attention_attends_over_each_kv_head_once(mask_shape, dtype):
+def test_grouped_query_attention_attends_over_each_kv_head_once(mask_shape, dtype, module):
     q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
     mask = torch.rand(mask_shape) > 0.3 if dtype == torch.bool else torch.randn(mask_shape)
     if dtype == torch.bool:
@@ -67,12 +76,13 @@ def test_grouped_query_attention_attends_over_each_kv_head_once(mask_shape, dtyp
     queries = torch.export.Dim("queries", max=9)
     mask_axes = {**({0: batch} if mask_shape[0] > 1 else {}), **({2: queries} if mask_shape[2] > 1 else {})}
     dynamic = ({0: batch, 2: queries}, {0: batch}, {0: batch}, mask_axes or None)
-    program = torch.export.export(GroupedAttention(), (q, k, v, mask), dynamic_shapes=dynamic)
-    assert count(program, aten.expand.default) == 2
+    program = torch.export.export(module(), (q, k, v, mask), dynamic_shapes=dynamic)
+    assert count(program, aten.expand.default) == (2 if module is GroupedAttention else 0)
     result = get_pass("grouped_query_attention")(program)
     assert result.counts == {"rewritten": 1, "missed": 0}
     sdpa = next(n for n in result.program.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
     assert [tuple(a.meta["val"].shape[1:]) for a in sdpa.args[1:3]] == [(2, 9, 8), (2, 9, 8)]  # the KV heads
+    assert not sdpa.kwargs.get("enable_gqa")
     result.program.graph_module.graph.eliminate_dead_code()
     assert count(result.program, aten.expand.default) == 1  # the mask rows, repeated per group
     for batch_size, query_len in [(2, 5), (3, 2)]:  # the sample's shape, another batch and length
