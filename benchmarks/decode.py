@@ -307,16 +307,15 @@ def saved_folder(model: torch.nn.Module, folder: Path) -> Path:
 STAGE_LINE = re.compile(r"^\[\d+/\d+\] (\w+) done in ([\d.]+)s")
 
 
-def cli_export(variant: str, config, checkpoint: Path, out: Path, args) -> tuple[float, float, float, dict[str, float]]:
-    """Export ``variant`` as a user does, ``hfexport export … --generation`` in a child process, as
-    ``peers.py`` exports a peer: (wall seconds, CPU seconds, peak RSS MiB, seconds per stage). Its
-    imports, the checkpoint's load and the artifact's writing count, as they do for the peers. A
-    variant that changes the pass list gives it as ``--config``."""
-    target, _, quantize = re.split(r"(?=[+-])", variant)[0].partition(":")
-    command = [*HFEXPORT, "export", str(checkpoint), "--format", target, "--generation"]
+def cli_export(config, checkpoint: Path, out: Path, args) -> tuple[float, float, float, dict[str, float]]:
+    """Export a variant's ``config`` (:func:`variant_config`) as a user does, ``hfexport export …
+    --generation`` in a child process, as ``peers.py`` exports a peer: (wall seconds, CPU seconds,
+    peak RSS MiB, seconds per stage). Its imports, the checkpoint's load and the artifact's writing
+    count, as they do for the peers. A variant that changes the pass list gives it as ``--config``."""
+    command = [*HFEXPORT, "export", str(checkpoint), "--format", config.export_format, "--generation"]
     command += ["--max-cache-len", str(args.cache_len), "--out", str(out), "--overwrite"]
-    if quantize:
-        command += ["--quantize", quantize]
+    if getattr(config, "quantize", None):
+        command += ["--quantize", config.quantize]
     if config.passes is not None:
         (out.parent / "passes.json").write_text(json.dumps({"passes": [getattr(p, "name", p) for p in config.passes]}))
         command += ["--config", str(out.parent / "passes.json")]
@@ -390,7 +389,7 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
                     out = Path(scratch) / "export"
                     row = Row(model_name, variant)
                     row.export_seconds, row.export_cpu_seconds, row.peak_rss_mb, row.stage_seconds = cli_export(
-                        variant, config, checkpoint, out, args
+                        config, checkpoint, out, args
                     )
                     export = ExportFolder(out)
                     row.artifact_mb = folder_mb(out, [spec.file for spec in export.manifest.components.values()])

@@ -103,6 +103,19 @@ def test_sdpa_patch_takes_the_math_backend_only_for_data_dependent_sizes(monkeyp
     torch.testing.assert_close(program.module()(*inputs), _SelectedPatchesAttention()(*inputs))
 
 
+def test_grouped_query_attention_is_captured_as_sdpa_with_enable_gqa():
+    # tiny-llama: 4 query heads over 2 key/value heads; no passes, so the capture is what is seen
+    model = build("tiny-llama")
+    inputs = sample_inputs(model)
+    program = DynamoExporter().export(model, inputs, DynamoConfig(dynamic=True, verify=True, passes=[]))
+    sdpa = [n for n in program.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(sdpa) == model.config.num_hidden_layers
+    assert all(n.kwargs.get("enable_gqa") for n in sdpa)
+    # keys and values are the 2 KV heads themselves, not repeat_kv copies
+    assert [n.args[1].meta["val"].shape[1] for n in sdpa] == [2] * len(sdpa)
+    assert [n.args[2].meta["val"].shape[1] for n in sdpa] == [2] * len(sdpa)
+
+
 @pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention"])
 def test_unexportable_attention_is_a_clear_error(implementation):
     model = build("tiny-llama")
