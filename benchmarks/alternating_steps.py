@@ -1,0 +1,121 @@
+"""Time decode steps of several ExecuTorch programs alternately, in one process.
+
+A single benchmark run's decode figures move with the machine (its neighbours, its memory
+bandwidth), so two programs measured minutes apart can swap places. This script takes turns
+between the programs, round after round, and reports the median step of each::
+
+    python benchmarks/alternating_steps.py hfexport=EXPORT_FOLDER optimum=path/to/model.pte
+
+- ``label=FOLDER``: an hfexport export folder (``hfexport export … --format executorch
+  --generation``). Its steps run through hfexport's own decode loop (``greedy_decode``).
+- ``label=FILE.pte``: an optimum-executorch program (``benchmarks/peers.py --keep DIR``). Its
+  steps are bare ``forward(input_ids, cache_position)`` calls with a greedy argmax.
+- For hfexport's programs the ``execute`` column also gives the time inside the program alone, so
+  the two kinds compare like for like; the ``loop`` column adds hfexport's Python per step (masks,
+  argmax, the token counters copied out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+# a fixed chat prompt for SmolLM2-135M-Instruct: "What is the capital of France?"
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 3286, 28, 7018, 411, 407, 19712, 7732, 2]
+PROMPT += [198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+
+
+def hfexport_steps(folder: Path, steps: int, cache_len: int) -> Callable[[], tuple[float, float]]:
+    """(ms per step through the decode loop, ms per step inside ``execute``) of one run."""
+    from hfexport import ExportFolder
+    from hfexport.generation import greedy_decode
+
+    decoder = ExportFolder(folder).decoder(batch_size=1)
+    execute = decoder.runner.execute
+    inside = [0.0]
+
+    def timed_execute(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            inside[0] += time.perf_counter() - start
+
+    decoder.runner.execute = timed_execute
+    ids = torch.tensor([PROMPT])
+
+    def run() -> tuple[float, float]:
+        # the steps' time: a run of steps + 1 tokens less a run of 1 (the prompt's prefill)
+        inside[0] = 0.0
+        start = time.perf_counter()
+        greedy_decode(decoder, ids, 1, cache_len)
+        prefill, prefill_inside = time.perf_counter() - start, inside[0]
+        inside[0] = 0.0
+        start = time.perf_counter()
+        greedy_decode(decoder, ids, steps + 1, cache_len)
+        total = time.perf_counter() - start
+        return (total - prefill) / steps * 1e3, (inside[0] - prefill_inside) / steps * 1e3
+
+    return run
+
+
+def optimum_steps(pte: Path, steps: int) -> Callable[[], tuple[float, float]]:
+    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (its custom SDPA and KV cache)
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(pte).load_method("forward")
+    ids = torch.tensor([PROMPT])
+
+    def run() -> tuple[float, float]:
+        length = ids.shape[1]
+        token = method.execute((ids, torch.arange(length)))[0][:, -1].argmax(-1)
+        start = time.perf_counter()
+        for i in range(steps):
+            token = method.execute((token.view(1, 1), torch.tensor([length + i])))[0][:, -1].argmax(-1)
+        per_step = (time.perf_counter() - start) / steps * 1e3
+        return per_step, per_step
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("programs", nargs="+", help="label=EXPORT_FOLDER or label=FILE.pte")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument(
+        "--cache-len", type=int, default=128, help="the static cache length the programs were exported with"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    runs = {}
+    for spec in args.programs:
+        label, _, path = spec.partition("=")
+        if not path:
+            parser.error(f"{spec!r}: give label=path")
+        path = Path(path)
+        runs[label] = (
+            optimum_steps(path, args.steps)
+            if path.suffix == ".pte"
+            else hfexport_steps(path, args.steps, args.cache_len)
+        )
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
+    for _ in range(args.rounds):
+        for label, run in runs.items():
+            times[label].append(run())
+    print(f"| program | loop ms/step (median of {args.rounds}) | execute ms/step | rounds (loop) |")
+    print("|---|---:|---:|---|")
+    for label, measured in times.items():
+        loop = statistics.median(m[0] for m in measured)
+        inside = statistics.median(m[1] for m in measured)
+        rounds = ", ".join(f"{m[0]:.2f}" for m in measured)
+        print(f"| {label} | {loop:.2f} | {inside:.2f} | {rounds} |")
+
+
+if __name__ == "__main__":
+    main()
