@@ -31,7 +31,7 @@ PROMPT += [198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 52
 
 
 def hfexport_steps(folder: Path, steps: int, cache_len: int) -> Callable[[], tuple[float, float]]:
-    """(ms per step through the decode loop, ms per step inside ``execute``) of one run."""
+    """A callable that times one run: (ms per step through the decode loop, ms per step inside ``execute``)."""
     from hfexport import ExportFolder
     from hfexport.generation import greedy_decode
 
@@ -65,6 +65,7 @@ def hfexport_steps(folder: Path, steps: int, cache_len: int) -> Callable[[], tup
 
 
 def optimum_steps(pte: Path, steps: int) -> Callable[[], tuple[float, float]]:
+    """A callable that times one run of bare ``forward`` calls (the same figure twice: there is no loop around them)."""
     from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (its custom SDPA and KV cache)
     from executorch.runtime import Runtime
 
