@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-# a fixed chat prompt for SmolLM2-135M-Instruct: "What is the capital of France?"
-PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 3286, 28, 7018, 411, 407, 19712, 7732, 2]
+# SmolLM2-135M-Instruct's chat template around "What is the capital of France?" (its default system line)
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
 PROMPT += [198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
 
 
