@@ -37,29 +37,25 @@ def hfexport_steps(folder: Path, steps: int, cache_len: int) -> Callable[[], tup
 
     decoder = ExportFolder(folder).decoder(batch_size=1)
     execute = decoder.runner.execute
-    inside = [0.0]
+    calls: list[float] = []  # seconds inside each execute, the prompt's first
 
     def timed_execute(*args, **kwargs):
         start = time.perf_counter()
         try:
             return execute(*args, **kwargs)
         finally:
-            inside[0] += time.perf_counter() - start
+            calls.append(time.perf_counter() - start)
 
     decoder.runner.execute = timed_execute
     ids = torch.tensor([PROMPT])
 
     def run() -> tuple[float, float]:
-        # the steps' time: a run of steps + 1 tokens less a run of 1 (the prompt's prefill)
-        inside[0] = 0.0
-        start = time.perf_counter()
-        greedy_decode(decoder, ids, 1, cache_len)
-        prefill, prefill_inside = time.perf_counter() - start, inside[0]
-        inside[0] = 0.0
-        start = time.perf_counter()
-        greedy_decode(decoder, ids, steps + 1, cache_len)
-        total = time.perf_counter() - start
-        return (total - prefill) / steps * 1e3, (inside[0] - prefill_inside) / steps * 1e3
+        # each token's arrival is stamped: between two stamps lies one whole step of the loop
+        stamps: list[float] = []
+        calls.clear()
+        greedy_decode(decoder, ids, steps + 1, cache_len, on_token=lambda _: stamps.append(time.perf_counter()))
+        steps_inside = calls[1:]  # the decode steps, without the prompt's
+        return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3, sum(steps_inside) / len(steps_inside) * 1e3
 
     return run
 
@@ -105,6 +101,8 @@ def main() -> None:
             if path.suffix == ".pte"
             else hfexport_steps(path, args.steps, args.cache_len)
         )
+    for run in runs.values():  # a warm-up run each: a program's first calls are slower
+        run()
     times: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
     for _ in range(args.rounds):
         for label, run in runs.items():
