@@ -19,18 +19,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-# SmolLM2-135M-Instruct's chat template around "What is the capital of France?" (its default system line)
-PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2]
-PROMPT += [198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+from hfexport.presets import model_folder
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import TEACHER_FORCED_QUESTION, prompt_ids  # the chat prompt decode.py teacher-forces
 
 
-def hfexport_steps(folder: Path, steps: int, cache_len: int) -> Callable[[], tuple[float, float]]:
+def hfexport_steps(folder: Path, ids: torch.Tensor, steps: int, cache_len: int) -> Callable[[], tuple[float, float]]:
     """A callable that times one run: (ms per step through the decode loop, ms per step inside ``execute``)."""
     from hfexport import ExportFolder
     from hfexport.generation import greedy_decode
@@ -47,7 +49,6 @@ def hfexport_steps(folder: Path, steps: int, cache_len: int) -> Callable[[], tup
             calls.append(time.perf_counter() - start)
 
     decoder.runner.execute = timed_execute
-    ids = torch.tensor([PROMPT])
 
     def run() -> tuple[float, float]:
         # each token's arrival is stamped: between two stamps lies one whole step of the loop
@@ -60,13 +61,12 @@ def hfexport_steps(folder: Path, steps: int, cache_len: int) -> Callable[[], tup
     return run
 
 
-def optimum_steps(pte: Path, steps: int) -> Callable[[], tuple[float, float]]:
+def optimum_steps(pte: Path, ids: torch.Tensor, steps: int) -> Callable[[], tuple[float, float]]:
     """A callable that times one run of bare ``forward`` calls (the same figure twice: there is no loop around them)."""
     from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (its custom SDPA and KV cache)
     from executorch.runtime import Runtime
 
     method = Runtime.get().load_program(pte).load_method("forward")
-    ids = torch.tensor([PROMPT])
 
     def run() -> tuple[float, float]:
         length = ids.shape[1]
@@ -83,6 +83,9 @@ def optimum_steps(pte: Path, steps: int) -> Callable[[], tuple[float, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("programs", nargs="+", help="label=EXPORT_FOLDER or label=FILE.pte")
+    parser.add_argument(
+        "--checkpoint", default="smollm2-135m-instruct", help="the programs' checkpoint (a packaged name or a folder)"
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument(
@@ -90,17 +93,17 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    ids = prompt_ids(model_folder(args.checkpoint), 0, TEACHER_FORCED_QUESTION)
     runs = {}
     for spec in args.programs:
         label, _, path = spec.partition("=")
         if not path:
             parser.error(f"{spec!r}: give label=path")
         path = Path(path)
-        runs[label] = (
-            optimum_steps(path, args.steps)
-            if path.suffix == ".pte"
-            else hfexport_steps(path, args.steps, args.cache_len)
-        )
+        if path.suffix == ".pte":
+            runs[label] = optimum_steps(path, ids, args.steps)
+        else:
+            runs[label] = hfexport_steps(path, ids, args.steps, args.cache_len)
     for run in runs.values():  # a warm-up run each: a program's first calls are slower
         run()
     times: dict[str, list[tuple[float, float]]] = {label: [] for label in runs}
