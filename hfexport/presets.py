@@ -119,4 +119,14 @@ def load_model(name_or_path: str) -> torch.nn.Module:
     model_class: Callable[..., Any] = getattr(transformers, architecture, None) if architecture else None
     if model_class is None:
         model_class = transformers.AutoModel
-    return model_class.from_pretrained(folder, attn_implementation="sdpa").eval()
+    # the command line prints one line per step: transformers' "Loading weights" bar would land
+    # between them (its own switch, restored after)
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        return model_class.from_pretrained(folder, attn_implementation="sdpa").eval()
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
