@@ -257,3 +257,13 @@ def test_a_program_writing_its_input_in_place_lowers_without_whole_tensor_copies
     got, write_back = ExecutorchRunner(lowered).run({"cache": cache.clone(), "slots": slots, "states": states})[::-1]
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     torch.testing.assert_close(write_back, written, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "tensor", [torch.randn(1, 3, 5), torch.tensor(7), torch.randn(2, 4).bfloat16(), torch.tensor([True, False])]
+)
+def test_the_decoder_copies_outputs_out_of_the_program_memory_in_any_dtype(tensor):
+    from hfexport.targets.executorch.runner import _copied
+
+    copy = _copied(tensor)
+    assert copy.dtype == tensor.dtype and torch.equal(copy, tensor) and copy.data_ptr() != tensor.data_ptr()
