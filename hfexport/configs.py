@@ -186,9 +186,10 @@ class OnnxConfig(DynamoConfig):
 
     Args:
         opset_version: the ONNX opset; ``None`` is the newest the installed onnxscript supports.
-        optimize: run the onnxscript optimizer and ONNX Runtime's RMS-norm fusions (the
-            ``onnx_optimizer`` and ``onnx_ort_fusions`` passes) when ``passes`` is the default
-            list; with an explicit ``passes`` list, list them or not.
+        optimize: run the onnxscript optimizer and ONNX Runtime's fusions of RMS norms, rotary
+            embeddings and static-cache attention (the ``onnx_optimizer``, ``onnx_ort_fusions``
+            and ``onnx_group_query_attention`` passes) when ``passes`` is the default list; with
+            an explicit ``passes`` list, list them or not.
         quantize: ``None`` (fp32), ``"int4"`` (4-bit weights in blocks of ``quantize_group_size``
             with a scale and a float minimum each, ONNX Runtime ``MatMulNBits``, inputs quantized
             to int8 on the fly except in the last eighth of the layers: the

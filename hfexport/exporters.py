@@ -277,6 +277,8 @@ def _first_row(inputs: Any) -> Any:
 
 
 CLEANUP_PASSES = ("remove_tensor_metadata_asserts", "remove_noop_conversions", "mark_cache_mutations")
+# what OnnxConfig(optimize=False) leaves out of the default list
+ONNX_OPTIMIZATIONS = ("onnx_optimizer", "onnx_ort_fusions", "onnx_group_query_attention")
 
 
 class DynamoExporter(HfExporter):
@@ -305,6 +307,7 @@ class OnnxExporter(HfExporter):
         "dead_code_elimination",
         "onnx_optimizer",
         "onnx_ort_fusions",
+        "onnx_group_query_attention",
     )
 
     def pass_list(self, config: OnnxConfig) -> list[Any]:
@@ -312,7 +315,7 @@ class OnnxExporter(HfExporter):
 
         passes = super().pass_list(config)
         if config.passes is None and not config.optimize:
-            passes = [p for p in passes if p not in ("onnx_optimizer", "onnx_ort_fusions")]
+            passes = [p for p in passes if p not in ONNX_OPTIMIZATIONS]
         quantization = onnx_quantization_pass(config.quantize, config.quantize_group_size) if config.quantize else None
         if quantization is not None and quantization.name not in {getattr(p, "name", p) for p in passes}:
             passes.append(quantization)

@@ -7,6 +7,7 @@ from hfexport.passes import (  # noqa: F401
     convolution,
     delegation,
     moe,
+    onnx_attention,
     onnx_graph,
     portable_kernels,
     quantize,

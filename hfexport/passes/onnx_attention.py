@@ -1,0 +1,347 @@
+"""The ``onnx_group_query_attention`` pass: a static cache's attention as ONNX Runtime's
+``GroupQueryAttention`` (onnx_ir is imported when the pass runs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hfexport.pipeline.pass_manager import PassResult, register_pass
+
+MS_DOMAIN = "com.microsoft"
+
+
+@dataclass
+class _CacheWrite:
+    """``ScatterElements(cache, index, rows, axis=2)``: a static cache input written at ``index``."""
+
+    cache: Any  # the graph input, [batch, kv_heads, cache_len, head_dim]
+    written: Any  # the written cache (a graph output)
+    rows: Any  # the new keys or values, [batch, kv_heads, tokens, head_dim]
+    index: Any
+
+
+@dataclass
+class _Attention:
+    """One layer's ``softmax(q @ kᵀ · scale + bias) @ v`` over its static cache, as captured."""
+
+    query: Any  # [batch, tokens, heads * head_dim], before the rotation
+    key: Any  # [batch, tokens, kv_heads * head_dim], before the rotation
+    value: Any  # [batch, tokens, kv_heads * head_dim]
+    query_rotation: Any  # the RotaryEmbedding nodes, or None for a model without rotary embeddings
+    key_rotation: Any
+    keys: _CacheWrite
+    values: _CacheWrite
+    counter: Any  # the scalar token counter: the rows are written from it on
+    tokens: Any  # the number of new tokens (a scalar)
+    scale: float
+    mask: Any  # the boolean graph input [batch, 1, tokens, cache_len] the bias is made from
+    guarded: bool  # fully masked rows are zeroed after (zero_fully_masked_attention_rows)
+    output: Any  # [batch, tokens, heads * head_dim]
+    last: Any  # the node computing ``output``
+    heads: int
+    kv_heads: int
+
+
+def _producer(value: Any, op_type: str) -> Any:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain in ("", MS_DOMAIN) else None
+
+
+def _only_user(value: Any) -> Any:
+    uses = list(value.uses())
+    return uses[0].node if len(uses) == 1 else None
+
+
+def _constant(value: Any) -> Any:
+    """The numpy value of a constant (an initializer or a ``Constant`` node's), else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    node = value.producer()
+    if node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        return node.attributes["value"].value.numpy()
+    return None
+
+
+def _perm(node: Any) -> tuple[int, ...] | None:
+    return tuple(node.attributes["perm"].value) if node is not None and "perm" in node.attributes else None
+
+
+def _cache_write(value: Any, graph_inputs: set[Any]) -> _CacheWrite | None:
+    node = _producer(value, "ScatterElements")
+    if (
+        node is None
+        or node.attributes.get_int("axis", 0) != 2
+        or node.attributes.get_string("reduction", "none") != "none"
+        or node.inputs[0] not in graph_inputs
+    ):
+        return None
+    return _CacheWrite(node.inputs[0], node.outputs[0], node.inputs[2], node.inputs[1])
+
+
+def _written_from(index: Any) -> tuple[Any, Any] | None:
+    """``(counter, tokens)`` when ``index`` is ``zeros + reshape(range(0, tokens, 1) + counter,
+    [1, 1, -1, 1])``: new rows written in consecutive slots from a scalar counter on, as
+    ``cache_writes_as_scatter`` writes a static cache."""
+    add = _producer(index, "Add")
+    if add is None:
+        return None
+    for zeros, slots in (add.inputs, add.inputs[::-1]):
+        expand, reshape = _producer(zeros, "Expand"), _producer(slots, "Reshape")
+        fill = _constant(expand.inputs[0]) if expand is not None else None
+        shape = _constant(reshape.inputs[1]) if reshape is not None else None
+        if fill is None or fill.any() or shape is None or shape.tolist() != [1, 1, -1, 1]:
+            continue
+        offset = _producer(reshape.inputs[0], "Add")
+        for positions, counter in (offset.inputs, offset.inputs[::-1]) if offset is not None else ():
+            arange = _producer(positions, "Range")
+            if (
+                arange is not None
+                and _constant(arange.inputs[0]) == 0
+                and _constant(arange.inputs[2]) == 1
+                and counter.shape is not None
+                and counter.shape.rank() == 0
+            ):
+                return counter, arange.inputs[1]
+    return None
+
+
+def _heads(value: Any) -> tuple[Any, Any] | None:
+    """``(x, rotation)`` when ``value`` is ``[rotation](transpose(reshape(x), [0, 2, 1, 3]))``:
+    ``x`` [batch, tokens, heads * head_dim] split into heads, rotated by ONNX Runtime's
+    ``RotaryEmbedding`` or not at all."""
+    rotation = _producer(value, "RotaryEmbedding")
+    if rotation is not None:
+        if rotation.domain != MS_DOMAIN:
+            return None
+        value = rotation.inputs[0]
+    transpose = _producer(value, "Transpose")
+    reshape = _producer(transpose.inputs[0], "Reshape") if _perm(transpose) == (0, 2, 1, 3) else None
+    if reshape is None or reshape.inputs[0].shape is None or reshape.inputs[0].shape.rank() != 3:
+        return None
+    return reshape.inputs[0], rotation
+
+
+def _mask_under(bias: Any, graph_inputs: set[Any]) -> Any:
+    """The boolean graph input ``mask`` [batch, 1, tokens, cache_len] when ``bias`` is
+    ``where(mask, 0, lowest)``, the mask repeated over the query groups
+    (``reshape(expand(unsqueeze(mask, 2)))``, as ``grouped_query_attention`` lays them out) or not."""
+    where = _producer(bias, "Where")
+    if where is None or _constant(where.inputs[1]) != 0 or _constant(where.inputs[2]) is None:
+        return None
+    condition = where.inputs[0]
+    if condition not in graph_inputs:
+        reshape = _producer(condition, "Reshape")
+        expand = _producer(reshape.inputs[0], "Expand") if reshape is not None else None
+        unsqueeze = _producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+        axes = _constant(unsqueeze.inputs[1]) if unsqueeze is not None and len(unsqueeze.inputs) > 1 else None
+        if axes is None or axes.reshape(-1).tolist() != [2]:
+            return None
+        condition = unsqueeze.inputs[0]
+    shape = condition.shape
+    if condition not in graph_inputs or shape is None or shape.rank() != 4 or shape[1] != 1:
+        return None
+    return condition
+
+
+def _output_of(scores_times_values: Any) -> tuple[Any, Any, bool] | None:
+    """``(output, its node, guarded)``: the attention's ``[batch, tokens, heads * head_dim]``
+    result, after an optional guard ``Mul`` and the reshapes and one ``[0, 2, 1, 3]`` transpose
+    that merge the heads."""
+    value, guarded = scores_times_values, False
+    node = _only_user(value)
+    if node is not None and node.op_type == "Mul":
+        value, guarded = node.outputs[0], True
+    transposed = False
+    while (node := _only_user(value)) is not None and node.op_type in ("Reshape", "Transpose"):
+        if node.op_type == "Transpose":
+            if transposed or _perm(node) != (0, 2, 1, 3):
+                return None
+            transposed = True
+        value = node.outputs[0]
+        if transposed and node.op_type == "Reshape" and value.shape is not None and value.shape.rank() == 3:
+            return value, node, guarded
+    return None
+
+
+def _static_cache_attention(softmax: Any, graph_inputs: set[Any]) -> _Attention | None:
+    """The layer's attention around ``softmax``, if it has the form hfexport's ONNX passes give a
+    static cache's attention; else None (left as it is)."""
+    add = _producer(softmax.inputs[0], "Add")
+    mul = _producer(add.inputs[0], "Mul") if add is not None else None
+    scale = _constant(mul.inputs[1]) if mul is not None else None
+    scores = _producer(mul.inputs[0], "MatMul") if scale is not None and scale.size == 1 else None
+    keys_t = _producer(scores.inputs[1], "Transpose") if scores is not None else None
+    keys = _cache_write(keys_t.inputs[0], graph_inputs) if _perm(keys_t) == (0, 1, 3, 2) else None
+    mixed = _only_user(softmax.outputs[0])
+    if keys is None or mixed is None or mixed.op_type != "MatMul" or mixed.inputs[0] is not softmax.outputs[0]:
+        return None
+    values = _cache_write(mixed.inputs[1], graph_inputs)
+    written = _written_from(keys.index) if values is not None and values.index is keys.index else None
+    mask = _mask_under(add.inputs[1], graph_inputs)
+    output = _output_of(mixed.outputs[0])
+    if written is None or mask is None or output is None:
+        return None
+    query = scores.inputs[0]
+    grouped = _producer(query, "Reshape")  # [batch, heads, tokens, d] as [batch, kv_heads, groups * tokens, d]
+    if grouped is not None and _heads(grouped.inputs[0]) is not None:
+        query = grouped.inputs[0]
+    q, k, v = _heads(query), _heads(keys.rows), _heads(values.rows)
+    if q is None or k is None or v is None or v[1] is not None or (q[1] is None) != (k[1] is None):
+        return None
+    heads, kv_heads, cache_len = query.shape[1], keys.cache.shape[1], keys.cache.shape[2]
+    if not all(isinstance(n, int) for n in (heads, kv_heads, cache_len)) or heads % kv_heads:
+        return None
+    if grouped is not None and grouped.outputs[0].shape[1] != kv_heads:
+        return None
+    if mask.shape[3] != cache_len or any(x.dtype != q[0].dtype for x in (k[0], v[0], keys.cache)):
+        return None
+    return _Attention(
+        query=q[0],
+        key=k[0],
+        value=v[0],
+        query_rotation=q[1],
+        key_rotation=k[1],
+        keys=keys,
+        values=values,
+        counter=written[0],
+        tokens=written[1],
+        scale=float(scale.reshape(-1)[0]),
+        mask=mask,
+        guarded=output[2],
+        output=output[0],
+        last=output[1],
+        heads=heads,
+        kv_heads=kv_heads,
+    )
+
+
+class _Nodes:
+    """New nodes (in order) and the pass's shared constants and masks."""
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = graph
+        self.added: list[Any] = []
+        self.constants: dict[str, Any] = {}
+        self.biases: dict[Any, tuple[Any, Any, Any]] = {}
+        self.query_lengths: dict[tuple[Any, Any], Any] = {}
+
+    def op(self, op_type: str, inputs: list[Any], domain: str = "", outputs: int = 1, **attributes: Any) -> Any:
+        import onnx_ir as ir
+
+        node = ir.node(op_type, inputs, attributes=attributes, domain=domain, num_outputs=outputs)
+        self.added.append(node)
+        return node.outputs if outputs > 1 else node.outputs[0]
+
+    def constant(self, name: str, array: Any) -> Any:
+        import onnx_ir as ir
+
+        if name not in self.constants:
+            self.constants[name] = ir.Value(name=f"hfexport_gqa_{name}", const_value=ir.tensor(array))
+            self.graph.register_initializer(self.constants[name])
+        return self.constants[name]
+
+    def bias(self, mask: Any) -> tuple[Any, Any, Any]:
+        """``(where(mask, 0, lowest), whether each query row sees a key [batch, tokens, 1], the
+        batch size [1])``, made once per mask."""
+        import numpy as np
+        import onnx_ir as ir
+
+        if mask not in self.biases:
+            lowest = self.constant("lowest", np.array(np.finfo(np.float32).min, np.float32))
+            bias = self.op("Where", [mask, self.constant("zero", np.array(0.0, np.float32)), lowest])
+            as_float = self.op("Cast", [mask], to=ir.DataType.FLOAT)
+            sees = self.op("ReduceMax", [as_float, self.constant("last_axis", np.array([3], np.int64))], keepdims=0)
+            sees = self.op("Transpose", [sees], perm=[0, 2, 1])
+            self.biases[mask] = (bias, sees, self.op("Shape", [mask], start=0, end=1))
+        return self.biases[mask]
+
+    def rotated(self, x: Any, rotation: Any, heads: int) -> Any:
+        """``rotation`` (a ``RotaryEmbedding`` on ``x``'s heads) on ``x`` [batch, tokens, heads * d]."""
+        interleaved = rotation.attributes.get_int("interleaved", 0)
+        inputs = [x, *rotation.inputs[1:]]
+        return self.op("RotaryEmbedding", inputs, domain=MS_DOMAIN, interleaved=interleaved, num_heads=heads)
+
+    def group_query_attention(self, found: _Attention) -> tuple[Any, Any, Any]:
+        """The op's output [batch, tokens, heads * d] (guarded as the layer's was), keys, values."""
+        import numpy as np
+        import onnx_ir as ir
+
+        bias, sees, batch = self.bias(found.mask)
+        last_slot = self.op(
+            "Sub", [self.op("Add", [found.counter, found.tokens]), self.constant("one", np.array(1, np.int64))]
+        )
+        seqlens_k = self.op("Cast", [self.op("Expand", [last_slot, batch])], to=ir.DataType.INT32)
+        # every entry's query rows are all valid; given, ONNX Runtime's CPU kernel also takes
+        # several new tokens for a batch of more than one over a cache already written
+        if (found.tokens, batch) not in self.query_lengths:
+            lengths = self.op("Cast", [self.op("Expand", [found.tokens, batch])], to=ir.DataType.INT32)
+            self.query_lengths[found.tokens, batch] = lengths
+        query, key = found.query, found.key
+        if found.query_rotation is not None:  # the same rotations, on the projections before the head split
+            query = self.rotated(query, found.query_rotation, found.heads)
+            key = self.rotated(key, found.key_rotation, found.kv_heads)
+        cache_len = found.keys.cache.shape[2]
+        total = self.constant(f"total_{cache_len}", np.array(cache_len, np.int32))
+        caches = [found.keys.cache, found.values.cache]
+        output, keys, values = self.op(
+            "GroupQueryAttention",
+            [query, key, found.value, *caches, seqlens_k, total, None, None, None, bias]
+            + [None] * 5
+            + [self.query_lengths[found.tokens, batch]],
+            domain=MS_DOMAIN,
+            outputs=3,
+            num_heads=found.heads,
+            kv_num_heads=found.kv_heads,
+            scale=found.scale,
+        )
+        return (self.op("Mul", [output, sees]) if found.guarded else output), keys, values
+
+
+@register_pass(name="onnx_group_query_attention", stage="onnx_passes", runs_after=["onnx_ort_fusions"])
+def onnx_group_query_attention(program: Any) -> PassResult:
+    """Each layer's attention over a static cache as one ONNX Runtime ``GroupQueryAttention``,
+    which writes the new keys and values into the cache and attends over the written slots.
+
+    Matched: ``softmax(q @ kᵀ · scale + where(mask, 0, lowest)) @ v`` where the keys and values
+    are the cache inputs with the new rows scattered in from the layer's token counter on (the
+    form ``cache_writes_as_scatter``, ``grouped_query_attention`` and ``onnx_ort_fusions`` leave).
+    About 29 nodes per layer (head splits and merges, the cache-write index, both scatters, the
+    keys' transpose, the scores, the softmax) become the op, its rotations on the unsplit
+    projections and 4 nodes making ``seqlens_k`` from the counter; SmolLM2-135M's decode graph
+    went from 1,237 nodes to 656. The mask becomes the op's ``attention_bias`` (one for all
+    layers), so padding and causality stay the graph's own; ``zero_fully_masked_attention_rows``'s
+    guard stays a ``Mul`` on the output.
+
+    ``GroupQueryAttention`` writes the cache in place when the present keys and values are bound
+    to the past ones' buffers (:class:`~hfexport.targets.onnx.runner.OnnxDecoder` binds them);
+    otherwise it returns a new cache whose slots past the written ones are zeros. Counts:
+    ``group_query_attention``."""
+    import onnx_ir.passes.common as common
+
+    model = program.model
+    graph = model.graph
+    graph_inputs = set(graph.inputs)
+    before = sum(1 for _ in graph)
+    nodes = _Nodes(graph)
+    fused = 0
+    for softmax in [node for node in graph if node.op_type == "Softmax"]:
+        found = _static_cache_attention(softmax, graph_inputs)
+        if found is None:
+            continue
+        output, keys, values = nodes.group_query_attention(found)
+        graph.insert_before(found.last, nodes.added)
+        nodes.added = []
+        for old, new in ((found.keys.written, keys), (found.values.written, values)):
+            name = old.name
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            old.name, new.name = None, name
+        found.output.replace_all_uses_with(output)
+        fused += 1
+    if fused:
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+        common.RemoveUnusedNodesPass()(model)
+    counts = {"group_query_attention": fused, "nodes_removed": before - sum(1 for _ in graph)}
+    return PassResult(program, modified=fused > 0, counts=counts)
