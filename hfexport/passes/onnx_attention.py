@@ -226,7 +226,7 @@ class _Nodes:
         self.added: list[Any] = []
         self.constants: dict[str, Any] = {}
         self.biases: dict[Any, tuple[Any, Any, Any]] = {}
-        self.query_lengths: dict[tuple[Any, Any], Any] = {}
+        self.query_lengths: dict[tuple[Any, Any], tuple[Any, Any]] = {}
 
     def op(self, op_type: str, inputs: list[Any], domain: str = "", outputs: int = 1, **attributes: Any) -> Any:
         import onnx_ir as ir
@@ -270,15 +270,15 @@ class _Nodes:
         import onnx_ir as ir
 
         bias, sees, batch = self.bias(found.mask)
-        last_slot = self.op(
-            "Sub", [self.op("Add", [found.counter, found.tokens]), self.constant("one", np.array(1, np.int64))]
-        )
-        seqlens_k = self.op("Cast", [self.op("Expand", [last_slot, batch])], to=ir.DataType.INT32)
-        # every entry's query rows are all valid; given, ONNX Runtime's CPU kernel also takes
-        # several new tokens for a batch of more than one over a cache already written
+        # [batch] copies of the number of new tokens (every row of every entry is a valid query:
+        # given, ONNX Runtime's CPU kernel also takes several new tokens for a batch of more than
+        # one over a cache already written) and of one less
         if (found.tokens, batch) not in self.query_lengths:
-            lengths = self.op("Cast", [self.op("Expand", [found.tokens, batch])], to=ir.DataType.INT32)
-            self.query_lengths[found.tokens, batch] = lengths
+            lengths = self.op("Expand", [found.tokens, batch])
+            less_one = self.op("Sub", [lengths, self.constant("one", np.array(1, np.int64))])
+            self.query_lengths[found.tokens, batch] = (self.op("Cast", [lengths], to=ir.DataType.INT32), less_one)
+        query_lengths, less_one = self.query_lengths[found.tokens, batch]
+        seqlens_k = self.op("Cast", [self.op("Add", [found.counter, less_one])], to=ir.DataType.INT32)  # last slot
         query, key = found.query, found.key
         if found.query_rotation is not None:  # the same rotations, on the projections before the head split
             query = self.rotated(query, found.query_rotation, found.heads)
@@ -288,9 +288,7 @@ class _Nodes:
         caches = [found.keys.cache, found.values.cache]
         output, keys, values = self.op(
             "GroupQueryAttention",
-            [query, key, found.value, *caches, seqlens_k, total, None, None, None, bias]
-            + [None] * 5
-            + [self.query_lengths[found.tokens, batch]],
+            [query, key, found.value, *caches, seqlens_k, total, None, None, None, bias] + [None] * 5 + [query_lengths],
             domain=MS_DOMAIN,
             outputs=3,
             num_heads=found.heads,
@@ -309,16 +307,18 @@ def onnx_group_query_attention(program: Any) -> PassResult:
     are the cache inputs with the new rows scattered in from the layer's token counter on (the
     form ``cache_writes_as_scatter``, ``grouped_query_attention`` and ``onnx_ort_fusions`` leave).
     About 29 nodes per layer (head splits and merges, the cache-write index, both scatters, the
-    keys' transpose, the scores, the softmax) become the op, its rotations on the unsplit
-    projections and 4 nodes making ``seqlens_k`` from the counter; SmolLM2-135M's decode graph
-    went from 1,237 nodes to 656. The mask becomes the op's ``attention_bias`` (one for all
-    layers), so padding and causality stay the graph's own; ``zero_fully_masked_attention_rows``'s
-    guard stays a ``Mul`` on the output.
+    keys' transpose, the scores, the softmax) become the op, its two rotations on the projections
+    before the head split, and 2 nodes making its last written slot from the counter;
+    SmolLM2-135M's decode graph went from 1,237 nodes to 598. The mask becomes the op's
+    ``attention_bias`` (made once for all layers reading it), so padding, causality and sliding
+    windows stay the graph's own; ``zero_fully_masked_attention_rows``'s guard stays, a ``Mul``
+    on the output. A layer of another form (q / k norms, an additive float mask, a windowed
+    cache's wrapped writes) is left as it is.
 
     ``GroupQueryAttention`` writes the cache in place when the present keys and values are bound
     to the past ones' buffers (:class:`~hfexport.targets.onnx.runner.OnnxDecoder` binds them);
     otherwise it returns a new cache whose slots past the written ones are zeros. Counts:
-    ``group_query_attention``."""
+    ``group_query_attention``, ``nodes_removed``."""
     import onnx_ir.passes.common as common
 
     model = program.model

@@ -295,9 +295,9 @@ def test_onnx_decode_attends_through_group_query_attention_on_a_batch(family, tm
     # the static-cache attention becomes ONNX Runtime's GroupQueryAttention, fed the graph's own
     # mask as its bias: llama's left padding and causality, mistral's 4-token window stay exact
     import onnx
+    from models import build_sliding_window
 
     from hfexport import OnnxConfig
-    from models import build_sliding_window
 
     model = build("tiny-llama") if family == "llama" else build_sliding_window(family)
     export = export_folder(model, sample_inputs(model, 2, 6), OnnxConfig(dynamic=True, verify=True), tmp_path)

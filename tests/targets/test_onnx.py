@@ -203,7 +203,8 @@ def test_default_passes_fuse_rms_norms_rotary_embeddings_and_attention_matmuls_a
     # attention as q @ kᵀ · scale: the keys are not scaled, the mask made additive once for all layers
     assert ops["IsNaN"] == 0 and ops["Where"] == 1 and ops["Softmax"] == 2
     without = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True, optimize=False))
-    assert not any(p.name == "onnx_ort_fusions" for s in without.records for p in s.children)
+    skipped = {"onnx_ort_fusions", "onnx_group_query_attention"}
+    assert not any(p.name in skipped for s in without.records for p in s.children)
 
 
 def test_save_writes_one_file_a_weight_at_a_time_that_loads_as_torch_onnx_saves_it(tmp_path):
