@@ -169,6 +169,8 @@ def _output_of(scores_times_values: Any) -> tuple[Any, Any, bool] | None:
 def _static_cache_attention(softmax: Any, graph_inputs: set[Any]) -> _Attention | None:
     """The layer's attention around ``softmax``, if it has the form hfexport's ONNX passes give a
     static cache's attention; else None (left as it is)."""
+    import onnx_ir as ir
+
     add = _producer(softmax.inputs[0], "Add")
     mul = _producer(add.inputs[0], "Mul") if add is not None else None
     scale = _constant(mul.inputs[1]) if mul is not None else None
@@ -196,7 +198,8 @@ def _static_cache_attention(softmax: Any, graph_inputs: set[Any]) -> _Attention 
         return None
     if grouped is not None and grouped.outputs[0].shape[1] != kv_heads:
         return None
-    if mask.shape[3] != cache_len or any(x.dtype != q[0].dtype for x in (k[0], v[0], keys.cache)):
+    # float32 only: the form the pass is tested on (a float16 graph keeps its attention)
+    if mask.shape[3] != cache_len or any(x.dtype != ir.DataType.FLOAT for x in (q[0], k[0], v[0], keys.cache)):
         return None
     return _Attention(
         query=q[0],

@@ -60,7 +60,8 @@ def onnx_ort_fusions(program: Any) -> PassResult:
     of a quantized decode step: SmolLM2-135M's decode graph went from 2,690 to 1,605 nodes with
     the norms fused, and to 1,242 with the rotary embeddings. onnxscript's SDPA →
     ``MultiHeadAttention`` rewrite is left out: on SmolLM2-135M it made the static-cache decode
-    step slower on the CPU (it adds transposes of the cache)."""
+    step slower on the CPU (it adds transposes of the cache); the static cache's attention is
+    ``onnx_group_query_attention``'s."""
     import onnx_ir.passes.common as common
     from onnxscript import optimizer, rewriter
     from onnxscript.rewriter.ort_fusions.rms_normalization import fuse_rms_normalization
