@@ -1,4 +1,4 @@
-"""Time decode steps of several ExecuTorch programs alternately, in one process.
+"""Time decode steps of several ExecuTorch or ONNX programs alternately, in one process.
 
 A single benchmark run's decode figures move with the machine (its neighbours, its memory
 bandwidth), so two programs measured minutes apart can swap places. This script takes turns
@@ -6,13 +6,15 @@ between the programs, round after round, and reports the median step of each::
 
     python benchmarks/alternating_steps.py hfexport=EXPORT_FOLDER optimum=path/to/model.pte
 
-- ``label=FOLDER``: an hfexport export folder (``hfexport export … --format executorch
-  --generation``). Its steps run through hfexport's own decode loop (``greedy_decode``).
+- ``label=FOLDER``: an hfexport export folder (``hfexport export … --format executorch|onnx
+  --generation``). Its steps run through hfexport's own decode loop (``greedy_decode``); an ONNX
+  Runtime session gets 1 intra-op thread, as torch and ExecuTorch do here.
 - ``label=FILE.pte``: an optimum-executorch program (``benchmarks/peers.py --keep DIR``). Its
   steps are bare ``forward(input_ids, cache_position)`` calls with a greedy argmax.
-- For hfexport's programs the ``execute`` column also gives the time inside the program alone, so
-  the two kinds compare like for like; the ``loop`` column adds hfexport's Python per step (masks,
-  argmax, the token counters copied out).
+- For hfexport's programs the ``execute`` column also gives the time inside the program alone
+  (ExecuTorch's ``execute``, ONNX Runtime's ``run_with_iobinding``), so the kinds compare like for
+  like; the ``loop`` column adds hfexport's Python per step (masks, argmax, the token counters
+  copied out).
 """
 
 from __future__ import annotations
@@ -37,8 +39,17 @@ def hfexport_steps(folder: Path, ids: torch.Tensor, steps: int, cache_len: int) 
     from hfexport import ExportFolder
     from hfexport.generation import greedy_decode
 
-    decoder = ExportFolder(folder).decoder(batch_size=1)
-    execute = decoder.runner.execute
+    export = ExportFolder(folder)
+    if export.manifest.target == "onnx":
+        from hfexport.targets.onnx.runner import OnnxDecoder
+
+        spec = export.manifest.component("decode")
+        decoder = OnnxDecoder(export.folder / spec.file, 1, spec, threads=1)
+        owner, name = decoder.session, "run_with_iobinding"
+    else:
+        decoder = export.decoder(batch_size=1)
+        owner, name = decoder.runner, "execute"
+    execute = getattr(owner, name)
     calls: list[float] = []  # seconds inside each execute, the prompt's first
 
     def timed_execute(*args, **kwargs):
@@ -48,7 +59,7 @@ def hfexport_steps(folder: Path, ids: torch.Tensor, steps: int, cache_len: int) 
         finally:
             calls.append(time.perf_counter() - start)
 
-    decoder.runner.execute = timed_execute
+    setattr(owner, name, timed_execute)
 
     def run() -> tuple[float, float]:
         # each token's arrival is stamped: between two stamps lies one whole step of the loop

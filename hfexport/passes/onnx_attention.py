@@ -315,7 +315,9 @@ def onnx_group_query_attention(program: Any) -> PassResult:
     SmolLM2-135M's decode graph went from 1,237 nodes to 598. The mask becomes the op's
     ``attention_bias`` (made once for all layers reading it), so padding, causality and sliding
     windows stay the graph's own; ``zero_fully_masked_attention_rows``'s guard stays, a ``Mul``
-    on the output. A layer of another form (q / k norms, an additive float mask, a windowed
+    on the output. The op is causal (ONNX Runtime takes its query lengths only so): a mask that
+    let a query see a later slot than its own would be cut to causal; the decode loops' masks
+    never do. A layer of another form (q / k norms, an additive float mask, a windowed
     cache's wrapped writes) is left as it is.
 
     ``GroupQueryAttention`` writes the cache in place when the present keys and values are bound
