@@ -310,8 +310,9 @@ def test_onnx_decode_attends_through_group_query_attention_on_a_batch(family, tm
         prompt = sample_inputs(model, 3, 7, seed=11)
         prompt["attention_mask"][0, :3] = 0
         prompt["attention_mask"][2, :1] = 0
-    else:  # 6 + 16 tokens: past the window. (A batch of 3 x 7 tokens parts from transformers' tokens
-        # on rows 0 and 2, with or without this pass and on the Dynamo target too: not looked into)
+    else:  # 6 + 16 tokens: past the window. (With 3 x 7 tokens, transformers' generate picks another
+        # 21st token on row 2 than its own uncached forward over the same tokens, which every
+        # target, Dynamo's too, matches to 1e-7: 0.3565 against 0.3480 for the two top logits)
         prompt = sample_inputs(model, 2, 6)
     decoder = export.decoder(batch_size=len(prompt["input_ids"]))
     tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len, prompt["attention_mask"])
