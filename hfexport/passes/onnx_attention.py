@@ -25,9 +25,9 @@ class _CacheWrite:
 class _Attention:
     """One layer's ``softmax(q @ kᵀ · scale + bias) @ v`` over its static cache, as captured."""
 
-    query: Any  # [batch, tokens, heads * head_dim], before the rotation
-    key: Any  # [batch, tokens, kv_heads * head_dim], before the rotation
-    value: Any  # [batch, tokens, kv_heads * head_dim]
+    query: Any  # [batch, tokens, heads * head_dim] (or normalised [batch, tokens, heads, head_dim]), unrotated
+    key: Any  # [batch, tokens, kv_heads * head_dim] (or [batch, tokens, kv_heads, head_dim]), unrotated
+    value: Any  # [batch, tokens, kv_heads * head_dim] (or [batch, tokens, kv_heads, head_dim])
     query_rotation: Any  # the RotaryEmbedding nodes, or None for a model without rotary embeddings
     key_rotation: Any
     keys: _CacheWrite
@@ -109,19 +109,25 @@ def _written_from(index: Any) -> tuple[Any, Any] | None:
 
 
 def _heads(value: Any) -> tuple[Any, Any] | None:
-    """``(x, rotation)`` when ``value`` is ``[rotation](transpose(reshape(x), [0, 2, 1, 3]))``:
-    ``x`` [batch, tokens, heads * head_dim] split into heads, rotated by ONNX Runtime's
-    ``RotaryEmbedding`` or not at all."""
+    """``(x, rotation)`` when ``value`` is ``[rotation](transpose([norm](reshape(x)), [0, 2, 1,
+    3]))``: ``x`` [batch, tokens, heads * head_dim] split into heads, each head RMS-normalised
+    (Qwen3's query and key norms: then ``x`` is the normalised [batch, tokens, heads, head_dim])
+    or not, rotated by ONNX Runtime's ``RotaryEmbedding`` or not at all."""
     rotation = _producer(value, "RotaryEmbedding")
     if rotation is not None:
         if rotation.domain != MS_DOMAIN:
             return None
         value = rotation.inputs[0]
     transpose = _producer(value, "Transpose")
-    reshape = _producer(transpose.inputs[0], "Reshape") if _perm(transpose) == (0, 2, 1, 3) else None
+    heads = transpose.inputs[0] if _perm(transpose) == (0, 2, 1, 3) else None
+    norm = _producer(heads, "SimplifiedLayerNormalization")
+    if norm is not None and norm.attributes.get_int("axis", -1) in (-1, 3):
+        reshape = _producer(norm.inputs[0], "Reshape")
+    else:
+        norm, reshape = None, _producer(heads, "Reshape")
     if reshape is None or reshape.inputs[0].shape is None or reshape.inputs[0].shape.rank() != 3:
         return None
-    return reshape.inputs[0], rotation
+    return (heads if norm is not None else reshape.inputs[0]), rotation
 
 
 def _mask_under(bias: Any, graph_inputs: set[Any]) -> Any:
@@ -282,7 +288,10 @@ class _Nodes:
             self.query_lengths[found.tokens, batch] = (self.op("Cast", [lengths], to=ir.DataType.INT32), less_one)
         query_lengths, less_one = self.query_lengths[found.tokens, batch]
         seqlens_k = self.op("Cast", [self.op("Add", [found.counter, less_one])], to=ir.DataType.INT32)  # last slot
-        query, key = found.query, found.key
+        flat = self.constant("tokens_major", np.array([0, 0, -1], np.int64))
+        query, key, value = (
+            self.op("Reshape", [x, flat]) if x.shape.rank() == 4 else x for x in (found.query, found.key, found.value)
+        )
         if found.query_rotation is not None:  # the same rotations, on the projections before the head split
             query = self.rotated(query, found.query_rotation, found.heads)
             key = self.rotated(key, found.key_rotation, found.kv_heads)
@@ -291,7 +300,7 @@ class _Nodes:
         caches = [found.keys.cache, found.values.cache]
         output, keys, values = self.op(
             "GroupQueryAttention",
-            [query, key, found.value, *caches, seqlens_k, total, None, None, None, bias] + [None] * 5 + [query_lengths],
+            [query, key, value, *caches, seqlens_k, total, None, None, None, bias] + [None] * 5 + [query_lengths],
             domain=MS_DOMAIN,
             outputs=3,
             num_heads=found.heads,
@@ -317,8 +326,9 @@ def onnx_group_query_attention(program: Any) -> PassResult:
     windows stay the graph's own; ``zero_fully_masked_attention_rows``'s guard stays, a ``Mul``
     on the output. The op is causal (ONNX Runtime takes its query lengths only so): a mask that
     let a query see a later slot than its own would be cut to causal; the decode loops' masks
-    never do. A layer of another form (q / k norms, an additive float mask, a windowed
-    cache's wrapped writes) is left as it is.
+    never do. Per-head query and key norms (Qwen3's, fused to ``SimplifiedLayerNormalization``)
+    stay before the op. A layer of another form (Gemma3's unfused norms, an additive float mask, a
+    windowed cache's wrapped writes) is left as it is.
 
     ``GroupQueryAttention`` writes the cache in place when the present keys and values are bound
     to the past ones' buffers (:class:`~hfexport.targets.onnx.runner.OnnxDecoder` binds them);

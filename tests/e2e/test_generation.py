@@ -290,23 +290,24 @@ def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tm
     assert_a_second_generation_matches(decoder, model)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_onnx_decode_attends_through_group_query_attention_on_a_batch(family, tmp_path):
     # the static-cache attention becomes ONNX Runtime's GroupQueryAttention, fed the graph's own
-    # mask as its bias: llama's left padding and causality, mistral's 4-token window stay exact
+    # mask as its bias: left padding and causality (qwen3's with its query and key norms), and
+    # mistral's 4-token window stay exact
     import onnx
     from models import build_sliding_window
 
     from hfexport import OnnxConfig
 
-    model = build("tiny-llama") if family == "llama" else build_sliding_window(family)
+    model = build_sliding_window(family) if family == "mistral" else build(f"tiny-{family}")
     export = export_folder(model, sample_inputs(model, 2, 6), OnnxConfig(dynamic=True, verify=True), tmp_path)
     graph = onnx.load(tmp_path / export.manifest.component("decode").file).graph
     ops = collections.Counter(node.op_type for node in graph.node)
     layers = model.config.num_hidden_layers
     assert ops["GroupQueryAttention"] == layers and ops["Softmax"] == ops["ScatterElements"] == 0
     assert ops["RotaryEmbedding"] == 2 * layers and ops["Transpose"] == 1  # heads are never split out
-    if family == "llama":
+    if family != "mistral":
         prompt = sample_inputs(model, 3, 7, seed=11)
         prompt["attention_mask"][0, :3] = 0
         prompt["attention_mask"][2, :1] = 0

@@ -109,12 +109,14 @@ class ExecutorchRunner(Runner):
     def execute(self, values: list[Any], clone_outputs: bool = True) -> Any:
         """``method.execute`` with the runtime's failure as an :class:`~hfexport.HfExportError`.
         ``clone_outputs=False`` returns tensors over the program's planned memory, valid until the
-        next call (``executorch.runtime.Method.execute`` always clones: its pybindings method
-        takes the flag)."""
+        next call (``executorch.runtime.Method.execute`` always clones, with torch: its pybindings
+        method takes the flag); with ``clone_outputs`` the tensors are copied out as
+        :func:`_copied` does."""
         try:
+            outputs = self.method._method(values, clone_outputs=False)
             if not clone_outputs:
-                return self.method._method(values, clone_outputs=False)
-            return self.method.execute(values)
+                return outputs
+            return [_copied(value) if isinstance(value, torch.Tensor) else value for value in outputs]
         except RuntimeError as error:
             shapes = ", ".join(
                 f"{spec.name} {tuple(getattr(value, 'shape', ()))}"
