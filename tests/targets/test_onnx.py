@@ -3,6 +3,7 @@
 import collections
 import json
 
+import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
@@ -334,3 +335,43 @@ def test_type_promotion_reads_recorded_values_and_gives_torch_onnx_own_graph(mon
     expected = _MixesDtypes()(**inputs)
     for got, want in zip(lowering.run_onnx_program(ours, inputs), expected, strict=True):
         torch.testing.assert_close(torch.as_tensor(got), want)
+
+
+def test_group_query_attention_decode_runs_without_io_binding_step_after_step(tmp_path):
+    # a plain session.run gets a new cache from GroupQueryAttention (zeros past the written
+    # slots); fed back step after step it gives eager's logits
+    from transformers import GenerationConfig
+
+    from hfexport import decompose_for_generation
+    from hfexport.targets.onnx.lowering import save_onnx
+
+    model = build("tiny-llama")
+    static = GenerationConfig(cache_implementation="static", max_cache_len=16)
+    module, kwargs = decompose_for_generation(model, sample_inputs(model, 1, 4), static, multi_token_decode=True)[
+        "decode"
+    ]
+    program = OnnxExporter().export(module, kwargs, config=OnnxConfig(dynamic=True))
+    assert collections.Counter(n.op_type for n in program.model.graph)["GroupQueryAttention"] == 2
+    save_onnx(program, tmp_path / "decode.onnx")
+    session = ort.InferenceSession(tmp_path / "decode.onnx")
+    ids = sample_inputs(model, 1, 7, seed=3)["input_ids"]
+    caches = {
+        i.name: np.zeros([1, *i.shape[1:]], np.float32) if len(i.shape) == 4 else np.array(0, np.int64)
+        for i in session.get_inputs()
+        if i.name.startswith("input.cache.")
+    }
+    slots = torch.arange(16)
+    got = []
+    for start, end in ((0, 5), (5, 6), (6, 7)):  # the prompt, then one token a step
+        positions = torch.arange(start, end)
+        feeds = {
+            "input_ids": ids[:, start:end].numpy(),
+            "position_ids": positions[None].numpy(),
+            "attention_mask": (slots[None, :] <= positions[:, None])[None, None].numpy(),
+            **caches,
+        }
+        outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
+        caches = {name: outputs["output." + name.removeprefix("input.")] for name in caches}
+        got.append(torch.from_numpy(outputs["logits"]))
+    expected = eager(model, {"input_ids": ids}).logits
+    torch.testing.assert_close(torch.cat(got, 1), expected, atol=1e-4, rtol=0)
