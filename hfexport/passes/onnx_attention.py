@@ -121,11 +121,13 @@ def _heads(value: Any) -> tuple[Any, Any] | None:
     transpose = _producer(value, "Transpose")
     heads = transpose.inputs[0] if _perm(transpose) == (0, 2, 1, 3) else None
     norm = _producer(heads, "SimplifiedLayerNormalization")
-    if norm is not None and norm.attributes.get_int("axis", -1) in (-1, 3):
+    if norm is not None and norm.attributes.get_int("axis", -1) in (-1, 3) and heads.shape is not None:
         reshape = _producer(norm.inputs[0], "Reshape")
     else:
         norm, reshape = None, _producer(heads, "Reshape")
     if reshape is None or reshape.inputs[0].shape is None or reshape.inputs[0].shape.rank() != 3:
+        return None
+    if norm is not None and heads.shape.rank() != 4:
         return None
     return (heads if norm is not None else reshape.inputs[0]), rotation
 
