@@ -111,6 +111,30 @@ def test_generate_mistakes_are_one_line(generation_export, tmp_path, capsys):
     one_line_error(capsys, ["generate", static, "--prompt-ids", "5"], "single-graph export")
 
 
+def test_an_onnx_graph_another_onnx_runtime_cannot_load_names_both_versions(tmp_path, capsys, saved_llama, monkeypatch):
+    # the decode graph uses ONNX Runtime contrib ops (GroupQueryAttention with its query lengths)
+    # that an older ONNX Runtime rejects when it loads the file; the error names the version the
+    # manifest recorded, not a truncated file
+    import onnxruntime
+
+    out = tmp_path / "onnx"
+    argv = ["export", str(saved_llama), "--format", "onnx", "--generation", "--components", "decode", "--out", str(out)]
+    assert main([*argv, "--max-cache-len", "16"]) == 0
+
+    def older_runtime(*args, **kwargs):
+        raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Node (GroupQueryAttention) has input size 17")
+
+    monkeypatch.setattr(onnxruntime, "__version__", "1.20.0")
+    monkeypatch.setattr(onnxruntime, "InferenceSession", older_runtime)
+    exported_with = json.loads((out / "hfexport.json").read_text())["versions"]["onnxruntime"]
+    one_line_error(
+        capsys,
+        ["generate", out, "--prompt-ids", "5,6"],
+        f"exported with onnxruntime {exported_with} and this is 1.20.0",
+        f"install onnxruntime=={exported_with}",
+    )
+
+
 def test_debug_shows_the_traceback(tmp_path):
     command = [sys.executable, "-m", "hfexport.cli", "--debug", "generate", str(tmp_path), "--prompt-ids", "1"]
     result = subprocess.run(command, capture_output=True, text=True)

@@ -60,15 +60,24 @@ class OnnxRunner(Runner):
         options.log_severity_level = 3
         if threads is not None:
             options.intra_op_num_threads = threads
+        found = Manifest.find(path)
         try:
             self.session = onnxruntime.InferenceSession(str(path), options, providers=list(providers))
         except Exception as error:  # ONNX Runtime raises its own types (InvalidProtobuf, NoSuchFile, …)
+            exported_with = found[0].versions.get("onnxruntime") if found else None
+            if exported_with and exported_with != onnxruntime.__version__:
+                # the graph may use ONNX Runtime contrib ops (GroupQueryAttention's query lengths,
+                # MatMulNBits, …) in a form an older ONNX Runtime does not know
+                hint = (
+                    f"it was exported with onnxruntime {exported_with} and this is {onnxruntime.__version__}: "
+                    f"install onnxruntime=={exported_with}, or export again with this one"
+                )
+            else:
+                hint = "the file may be truncated or not an ONNX model: export again"
             raise ArtifactError(
-                f"ONNX Runtime cannot load {path} ({type(error).__name__}: {str(error).strip()[:200]}); the file "
-                "may be truncated or not an ONNX model: export again"
+                f"ONNX Runtime cannot load {path} ({type(error).__name__}: {str(error).strip()[:200]}); {hint}"
             ) from error
         if spec is None:
-            found = Manifest.find(path)
             spec = found[0].component(found[1]) if found else _session_spec(self.session)
         names = {i.name for i in self.session.get_inputs()}
         expected = {i.name for i in spec.fed}
