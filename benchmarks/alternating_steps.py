@@ -31,7 +31,7 @@ import torch
 from hfexport.presets import model_folder
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import TEACHER_FORCED_QUESTION, prompt_ids  # the chat prompt decode.py teacher-forces
+from decode import TEACHER_FORCED_QUESTION, batch1_decoder, prompt_ids  # decode.py's chat prompt and loader
 
 
 def hfexport_steps(folder: Path, ids: torch.Tensor, steps: int, cache_len: int) -> Callable[[], tuple[float, float]]:
@@ -39,16 +39,10 @@ def hfexport_steps(folder: Path, ids: torch.Tensor, steps: int, cache_len: int) 
     from hfexport import ExportFolder
     from hfexport.generation import greedy_decode
 
-    export = ExportFolder(folder)
-    if export.manifest.target == "onnx":
-        from hfexport.targets.onnx.runner import OnnxDecoder
-
-        spec = export.manifest.component("decode")
-        decoder = OnnxDecoder(export.folder / spec.file, 1, spec, threads=1)
-        owner, name = decoder.session, "run_with_iobinding"
-    else:
-        decoder = export.decoder(batch_size=1)
-        owner, name = decoder.runner, "execute"
+    decoder = batch1_decoder(ExportFolder(folder), threads=1)
+    owner, name = (
+        (decoder.session, "run_with_iobinding") if hasattr(decoder, "session") else (decoder.runner, "execute")
+    )
     execute = getattr(owner, name)
     calls: list[float] = []  # seconds inside each execute, the prompt's first
 

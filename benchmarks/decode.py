@@ -298,6 +298,15 @@ def variant_config(variant: str) -> tuple[str, object]:
     return target, config
 
 
+def batch1_decoder(export: ExportFolder, threads: int) -> object:
+    """The export's batch-1 decoder; an ONNX Runtime session gets ``threads`` intra-op threads
+    (torch's and ExecuTorch's are process-wide, set once)."""
+    if export.manifest.target == "onnx":
+        spec = export.manifest.component("decode")
+        return OnnxDecoder(export.folder / spec.file, 1, spec, threads=threads)
+    return export.decoder(batch_size=1)
+
+
 def saved_folder(model: torch.nn.Module, folder: Path) -> Path:
     """A random model written where the command line can load it (``save_pretrained``)."""
     model.save_pretrained(folder)
@@ -384,7 +393,7 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
             print(f"{model_name} eager: decode {decode:.1f} tok/s (bound {bound:.1f})", file=sys.stderr)
             checkpoint = folder if folder is not None else saved_folder(model, Path(work) / model_name)
             for variant in args.targets:
-                target, config = variant_config(variant)
+                _, config = variant_config(variant)
                 with tempfile.TemporaryDirectory() as scratch:
                     out = Path(scratch) / "export"
                     row = Row(model_name, variant)
@@ -394,11 +403,8 @@ def benchmark(args: argparse.Namespace) -> list[Row]:
                     export = ExportFolder(out)
                     row.artifact_mb = folder_mb(out, [spec.file for spec in export.manifest.components.values()])
 
-                    def load(export: ExportFolder = export, target: str = target) -> object:
-                        if target == "onnx":  # ONNX Runtime's threads are per session
-                            spec = export.manifest.component("decode")
-                            return OnnxDecoder(export.folder / spec.file, 1, spec, threads=args.threads)
-                        return export.decoder(batch_size=1)
+                    def load(export: ExportFolder = export) -> object:
+                        return batch1_decoder(export, args.threads)
 
                     start = time.perf_counter()
                     load()
