@@ -36,6 +36,24 @@ def _session_spec(session: Any) -> ComponentSpec:
     return ComponentSpec("", inputs, [OutputSpec(o.name, o.name) for o in session.get_outputs()])
 
 
+def _load_failure_hint(path: str | Path, installed: str) -> str:
+    """What to do about a graph ONNX Runtime cannot load. The decode graphs use ONNX Runtime
+    contrib ops (``GroupQueryAttention``'s query lengths, ``MatMulNBits``, …) in forms an older
+    ONNX Runtime rejects, so a version other than the one the manifest recorded is named too."""
+    hint = "the file may be truncated or not an ONNX model: export again"
+    try:
+        found = Manifest.find(path)
+    except HfExportError:  # a manifest that cannot be read says nothing about the versions
+        found = None
+    exported_with = found[0].versions.get("onnxruntime") if found else None
+    if exported_with and exported_with != installed:
+        hint += (
+            f"; or it needs the ONNX Runtime it was exported with: onnxruntime {exported_with}, and this is "
+            f"{installed} (install onnxruntime=={exported_with}, or export again with this one)"
+        )
+    return hint
+
+
 class OnnxRunner(Runner):
     """A real ONNX Runtime session over a saved ``.onnx`` file, fed with the model's keyword
     inputs (tensors, or caches flattened to ``cache.layers.0.keys`` …) matched by name.
@@ -60,24 +78,15 @@ class OnnxRunner(Runner):
         options.log_severity_level = 3
         if threads is not None:
             options.intra_op_num_threads = threads
-        found = Manifest.find(path)
         try:
             self.session = onnxruntime.InferenceSession(str(path), options, providers=list(providers))
         except Exception as error:  # ONNX Runtime raises its own types (InvalidProtobuf, NoSuchFile, …)
-            exported_with = found[0].versions.get("onnxruntime") if found else None
-            if exported_with and exported_with != onnxruntime.__version__:
-                # the graph may use ONNX Runtime contrib ops (GroupQueryAttention's query lengths,
-                # MatMulNBits, …) in a form an older ONNX Runtime does not know
-                hint = (
-                    f"it was exported with onnxruntime {exported_with} and this is {onnxruntime.__version__}: "
-                    f"install onnxruntime=={exported_with}, or export again with this one"
-                )
-            else:
-                hint = "the file may be truncated or not an ONNX model: export again"
             raise ArtifactError(
-                f"ONNX Runtime cannot load {path} ({type(error).__name__}: {str(error).strip()[:200]}); {hint}"
+                f"ONNX Runtime cannot load {path} ({type(error).__name__}: {str(error).strip()[:200]}); "
+                f"{_load_failure_hint(path, onnxruntime.__version__)}"
             ) from error
         if spec is None:
+            found = Manifest.find(path)
             spec = found[0].component(found[1]) if found else _session_spec(self.session)
         names = {i.name for i in self.session.get_inputs()}
         expected = {i.name for i in spec.fed}
