@@ -6,6 +6,7 @@ from hfexport.passes import (  # noqa: F401
     cleanup,
     convolution,
     delegation,
+    executorch_attention,
     moe,
     onnx_attention,
     onnx_graph,

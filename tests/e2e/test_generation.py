@@ -4,6 +4,7 @@ exported static-cache decode graph, token for token against model.generate."""
 import collections
 import copy
 import logging
+import re
 import subprocess
 import sys
 
@@ -380,6 +381,38 @@ def test_executorch_decode_defaults_to_one_row_and_delegates_each_layer_whole(tm
     assert_a_second_generation_matches(decoder, model, batch=1)  # the state is reused, old slots masked
     with pytest.raises(HfExportError, match="exported with a static batch of 1 and cannot decode 2 rows"):
         export.decoder(batch_size=2)
+
+
+def test_executorch_decode_attends_on_custom_sdpa_when_the_pass_is_listed(tmp_path):
+    """``attention_as_custom_sdpa`` (not in the default list: no faster on SmolLM2) runs each
+    layer's attention on ExecuTorch's ``llama::custom_sdpa``. The kernel reads the cache (the
+    program's state) through reshapes, which stay out of XNNPACK's graphs (there each would copy the
+    cache) and, as memory views, see what the step wrote; a fresh process runs the program too."""
+    from hfexport import ExecutorchConfig, ExecutorchExporter
+
+    model = build("tiny-llama")  # 2 layers
+    prompt = sample_inputs(model, 1, 6)
+    passes = list(ExecutorchExporter.default_passes)
+    passes.insert(passes.index("grouped_query_attention"), "attention_as_custom_sdpa")
+    config = ExecutorchConfig(dynamic=True, verify=True, passes=passes, dump_dir=str(tmp_path / "dump"))
+    export = export_folder(model, prompt, config, tmp_path / "out")
+    delegation = (tmp_path / "dump" / "decode" / "03_delegate" / "delegation.md").read_text()
+    assert "| llama_custom_sdpa_default | 0 | 2 |" in delegation
+    assert re.search(r"\| aten_view_copy_default \| \d+ \| 4 \|", delegation)  # 2 layers' keys and values
+    decoder = export.decoder(batch_size=1)
+    tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len)
+    assert torch.equal(tokens, reference_tokens(model, prompt))
+    assert_a_second_generation_matches(decoder, model, batch=1)
+    script = (
+        "import sys, torch; from hfexport import ExportFolder; from hfexport.generation import greedy_decode; "
+        "d = ExportFolder(sys.argv[1]).decoder(batch_size=1); "
+        f"print(greedy_decode(d, torch.tensor({prompt['input_ids'].tolist()}), 16, d.max_cache_len).tolist())"
+    )
+    fresh = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "out")], capture_output=True, text=True, timeout=300
+    )
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    assert fresh.stdout.strip().splitlines()[-1] == str(tokens.tolist())
 
 
 def test_executorch_decode_keeps_the_cache_as_program_state_unless_switched_off(tmp_path):

@@ -79,12 +79,47 @@ def default_memory_budget_mb() -> int:
 def partitioners(backend: str) -> list[Any]:
     """The partitioners of an ExecuTorch backend (``portable``: none)."""
     if backend == "xnnpack":
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-
-        return [XnnpackPartitioner()]
+        return [_xnnpack_partitioner()]
     if backend == "portable":
         return []
     raise ConfigError(f"ExecuTorch backend {backend!r} is not supported by this lowering; use 'xnnpack' or 'portable'")
+
+
+def _xnnpack_partitioner() -> Any:
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner import (
+        generate_grouped_partitions_from_list_of_nodes,
+    )
+
+    class Partitioner(XnnpackPartitioner):
+        """XNNPACK's partitioner, leaving out the reshapes that would only copy a tensor between two
+        ops it does not take (:func:`pass_through_reshapes`)."""
+
+        def generate_partitions(self, ep: Any) -> list[Any]:
+            matches = self.get_matched_nodes_from_configs(ep)
+            left_out = pass_through_reshapes(matches)
+            matches = [kept for match in matches if (kept := [node for node in match if node not in left_out])]
+            return generate_grouped_partitions_from_list_of_nodes(ep.graph_module, matches)
+
+    return Partitioner()
+
+
+def pass_through_reshapes(matches: list[list[torch.fx.Node]]) -> set[torch.fx.Node]:
+    """The ``view_copy`` nodes among ``matches`` (the nodes a partitioner takes) whose input and
+    users it does not take.
+
+    Inside a delegate such a reshape is a copy of its input, made only to hand the result back to
+    the program; left out, ExecuTorch makes it a view sharing its input's memory. The case that
+    matters: ``attention_as_custom_sdpa`` reads every layer's key and value cache through a
+    reshape, and XNNPACK would copy each one every step."""
+    taken = {node for match in matches for node in match}
+    return {
+        node
+        for node in taken
+        if _edge_op(node, "aten::view_copy")
+        and node.args[0] not in taken
+        and not any(user in taken for user in node.users)
+    }
 
 
 def to_edge(
@@ -368,7 +403,12 @@ def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
 
-    planning = MemoryPlanningPass(
+    class Planning(MemoryPlanningPass):
+        def run(self, graph_module: torch.fx.GraphModule, graph_signature: Any = None) -> Any:
+            views_of_in_place_writes_see_the_written_tensor(graph_module)
+            return super().run(graph_module, graph_signature)
+
+    planning = Planning(
         alloc_graph_input=config.alloc_graph_input,
         alloc_graph_output=config.alloc_graph_output,
         alloc_mutable_buffers=config.alloc_mutable_buffers,
@@ -394,6 +434,32 @@ def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
             "or raise ExecutorchConfig(max_planned_memory_mb=...)"
         )
     return program
+
+
+def views_of_in_place_writes_see_the_written_tensor(graph_module: torch.fx.GraphModule) -> int:
+    """Make each memory view of an in-place op's result (a reshape of a cache the program writes in
+    place, ``without_pass_through_reshapes``) a view of the tensor the op writes, and return how many.
+
+    ExecuTorch turns ``view_copy`` into a view sharing its base's memory plan before memory planning
+    gives an in-place op's result the memory of the tensor it writes (executorch 1.4.1,
+    ``exir/passes/replace_view_copy_with_view_pass.py`` and ``exir/memory_planning.py``,
+    ``_alias_inplace_result_specs``); the view then keeps the result's own plan, memory nothing
+    writes, and reads garbage."""
+    from executorch.exir import memory
+    from executorch.exir.memory_planning import _is_inplace_node
+
+    rebased = 0
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or node.target is not memory.view:
+            continue
+        base = node.args[0]
+        spec = node.meta.get("spec")
+        if isinstance(base, torch.fx.Node) and _is_inplace_node(base) and hasattr(spec, "_base"):
+            written = base.args[0].meta.get("spec")
+            if written is not None and spec._base is not written:
+                spec._base = written
+                rebased += 1
+    return rebased
 
 
 # --- artifact kinds --------------------------------------------------------------------------------

@@ -54,6 +54,9 @@ class ExecutorchRunner(Runner):
     """
 
     def __init__(self, source: str | Path | bytes | Any, spec: ComponentSpec | None = None) -> None:
+        # registers ExecuTorch's LLM kernels (llama::custom_sdpa, from attention_as_custom_sdpa)
+        # with this runtime: its Python build has them only once that library is loaded
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
         from executorch.runtime import Runtime
 
         if spec is None:
@@ -64,10 +67,14 @@ class ExecutorchRunner(Runner):
             self.method = self.program.load_method("forward")
         except (RuntimeError, ValueError) as error:  # the runtime's bare codes ("error: 0x23")
             where = "the program" if isinstance(data, bytes) else str(data)
-            raise ArtifactError(
-                f"the ExecuTorch runtime cannot load {where} ({runtime_error_text(error)}); the file may be "
-                "truncated or not a .pte program: export again"
-            ) from error
+            text = runtime_error_text(error)
+            cause = (
+                "the runtime's log above names the operator; export with this executorch version, or load "
+                "the library that registers it first"
+                if "missing operator" in text
+                else "the file may be truncated or not a .pte program: export again"
+            )
+            raise ArtifactError(f"the ExecuTorch runtime cannot load {where} ({text}); {cause}") from error
         meta = self.method.metadata
         self.upper_bounds = [tuple(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
         if len(spec.fed) != len(self.upper_bounds):

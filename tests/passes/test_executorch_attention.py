@@ -1,0 +1,62 @@
+"""attention_as_custom_sdpa: a batch-of-one program's attention on ExecuTorch's fused kernel,
+counts and numerics (the kernel's CPU implementation runs in torch)."""
+
+import pytest
+import torch
+
+from hfexport import get_pass
+
+pytest.importorskip("executorch")
+
+aten = torch.ops.aten
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, enable_gqa: bool = True) -> None:
+        super().__init__()
+        self.enable_gqa = enable_gqa
+
+    def forward(self, q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=0.3, enable_gqa=self.enable_gqa
+        )
+
+
+def count(program, target):
+    return sum(1 for n in program.graph.nodes if n.target is target)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 6])
+def test_a_batch_of_one_attends_on_custom_sdpa_with_eager_results(kv_heads):
+    q, k, v = torch.randn(1, 6, 5, 8), torch.randn(1, kv_heads, 9, 8), torch.randn(1, kv_heads, 9, 8)
+    mask = torch.rand(1, 1, 5, 9) > 0.4
+    mask[..., 0] = True
+    mask[:, :, 3] = False  # a query row that sees no key: zeros, as eager SDPA gives
+    queries = torch.export.Dim("queries", max=9)
+    dynamic = ({2: queries}, None, None, {2: queries})
+    module = Attention(enable_gqa=kv_heads != 6)
+    program = torch.export.export(module, (q, k, v, mask), dynamic_shapes=dynamic)
+    result = get_pass("attention_as_custom_sdpa")(program)
+    assert result.counts == {"rewritten": 1, "missed": 0}
+    assert count(result.program, aten.scaled_dot_product_attention.default) == 0
+    assert count(result.program, torch.ops.llama.custom_sdpa.default) == 1
+    got = result.program.module()(q, k, v, mask)
+    torch.testing.assert_close(got, module(q, k, v, mask), atol=1e-6, rtol=0)
+    assert torch.equal(got[:, :, 3], torch.zeros_like(got[:, :, 3]))
+    step = (q[:, :, :1], k, v, mask[:, :, :1])  # one query, as a decode step has
+    torch.testing.assert_close(result.program.module()(*step), module(*step), atol=1e-6, rtol=0)
+
+
+def test_what_the_kernel_cannot_take_is_left_and_counted():
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    mask = torch.ones(2, 1, 3, 6, dtype=torch.bool)
+    program = torch.export.export(Attention(), (q, k, v, mask))
+    result = get_pass("attention_as_custom_sdpa")(program)
+    assert result.counts == {"rewritten": 0, "missed": 1} and not result.modified
+    assert "missed: not a batch of one" in result.files["rewrites.md"]
+
+    program = torch.export.export(Attention(), (q[:1], k[:1], v[:1], torch.zeros(1, 1, 3, 6)))
+    result = get_pass("attention_as_custom_sdpa")(program)
+    assert result.counts == {"rewritten": 0, "missed": 1}
+    assert "missed: no boolean mask" in result.files["rewrites.md"]
+    assert count(result.program, aten.scaled_dot_product_attention.default) == 1
