@@ -438,13 +438,13 @@ def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
 
 def views_of_in_place_writes_see_the_written_tensor(graph_module: torch.fx.GraphModule) -> int:
     """Make each memory view of an in-place op's result (a reshape of a cache the program writes in
-    place, ``without_pass_through_reshapes``) a view of the tensor the op writes, and return how many.
+    place, left out of XNNPACK by :func:`pass_through_reshapes`) a view of the tensor the op
+    writes, and return how many.
 
     ExecuTorch turns ``view_copy`` into a view sharing its base's memory plan before memory planning
-    gives an in-place op's result the memory of the tensor it writes (executorch 1.4.1,
-    ``exir/passes/replace_view_copy_with_view_pass.py`` and ``exir/memory_planning.py``,
-    ``_alias_inplace_result_specs``); the view then keeps the result's own plan, memory nothing
-    writes, and reads garbage."""
+    gives an in-place op's result the memory of the tensor it writes (``_alias_inplace_result_specs``
+    in ``exir/memory_planning.py``, from pytorch/executorch#19482; executorch 1.4.1); the view then
+    keeps the result's own plan, memory nothing writes, and reads garbage."""
     from executorch.exir import memory
     from executorch.exir.memory_planning import _is_inplace_node
 
