@@ -51,12 +51,14 @@ def test_onnx_quantization_pass_quantizes_every_linear_layer(mode, op, min_cosin
         block_sums = [node for node in graph if node.op_type == "MatMul" and node.name.endswith("_block_sums")]
         splits = [len(node.outputs) for node in graph if node.op_type == "Split"]
         assert len(minimums) == len(block_sums) == 2 * 4 and sorted(splits) == [2, 2, 3, 3]
-        # int8 inputs on the fly, but the last eighth of the 14 4-bit weights (the last down
-        # projection) keeps its input in fp32
+        # int8 inputs on the fly, but the attention projections (q k v, o) and the last eighth of the
+        # 14 4-bit weights (the last down projection) keep their inputs in fp32
         levels = [
             (n.attributes["bits"].as_int(), n.attributes["accuracy_level"].as_int()) for n in graph if n.op_type == op
         ]
-        assert levels == [(4, 4)] * 7 + [(4, 1), (8, 4)] and record.counts["float_input_weights"] == 1
+        layer = [(4, 1), (4, 1), (4, 4), (4, 4)]  # q k v, o, gate up, down
+        assert levels == layer + layer[:3] + [(4, 1), (8, 4)]
+        assert record.counts["float_input_weights"] == 2 * 4 + 1
     # verify checked the logits by cosine similarity, and the report says what it measured
     assert "quantized: logit cosine" in result.report and "top-1 agreement" in result.report
     save_export(tmp_path, {"model": result})
@@ -248,7 +250,8 @@ def test_int4_keeps_the_inputs_of_the_layers_nearest_the_logits_in_fp32(minimums
     inputs = sample_inputs(model)
     levels = {}
     for tail in (1 / 4, 1 / 8, 0):
-        quantize = OnnxInt4Weights(minimums=minimums, float_tail=tail)  # the output projection: 8 bits
+        # the output projection: 8 bits; the attention projections' inputs int8 here, as the rest
+        quantize = OnnxInt4Weights(minimums=minimums, float_tail=tail, float_attention=False)
         result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter.default_passes, quantize]))
         graph = result.program.model.graph
         nodes = [node for node in graph if node.op_type == "MatMulNBits" and node.attributes["bits"].as_int() == 4]
@@ -260,6 +263,29 @@ def test_int4_keeps_the_inputs_of_the_layers_nearest_the_logits_in_fp32(minimums
     # 3 weights (gate, up, down): with minimums gate and up share one MatMulNBits
     assert levels[1 / 8] == [4] * (4 * per_layer - (2 if minimums else 3)) + [1] * (2 if minimums else 3)
     assert levels[0] == [4] * 4 * per_layer
+
+
+@pytest.mark.parametrize("minimums", [True, False])
+def test_int4_keeps_the_attention_projections_inputs_in_fp32(minimums):
+    # the linear layers torch.onnx records inside LlamaAttention (q, k, v, o) take fp32 inputs,
+    # the MLP's int8; float_attention=False gives them int8 too
+    from hfexport.exporters import OnnxExporter as Exporter
+    from hfexport.passes.quantize import OnnxInt4Weights
+
+    model = build("tiny-llama", num_hidden_layers=3)
+    inputs = sample_inputs(model)
+    per_weight = {}
+    for attention in (True, False):
+        quantize = OnnxInt4Weights(minimums=minimums, float_tail=0, float_attention=attention)
+        result = OnnxExporter().run(model, inputs, OnnxConfig(verify=True, passes=[*Exporter.default_passes, quantize]))
+        graph = result.program.model.graph
+        nodes = [node for node in graph if node.op_type == "MatMulNBits" and node.attributes["bits"].as_int() == 4]
+        per_weight[attention] = [node.attributes["accuracy_level"].as_int() for node in nodes]
+        (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
+        assert record.counts.get("float_input_weights", 0) == (3 * 4 if attention else 0)
+    layer = [1, 1, 4, 4] if minimums else [1, 1, 1, 1, 4, 4, 4]  # q k v packed with minimums, o, gate (up), down
+    assert per_weight[True] == layer * 3
+    assert per_weight[False] == [4] * len(layer) * 3
 
 
 def test_cli_quantize_flag(tmp_path):
