@@ -93,10 +93,10 @@ attention_as_custom_sdpa = rule_pass(
 
     The kernel takes ``[batch, length, heads, dim]`` tensors, one 2-D float mask for every batch
     row and key/value heads that divide the query heads. The static cache keeps transformers'
-    ``[1, kv_heads, length, dim]`` layout, which is that layout's ``[kv_heads, length, 1, dim]``
-    as it lies in memory; so each key/value head is a batch row of one head (the cache read
-    through a reshape, which ExecuTorch makes a view: ``pass_through_reshapes`` in the ExecuTorch
-    lowering), and the query heads that share it are that row's heads. The mask becomes one
+    ``[1, kv_heads, length, dim]`` layout, whose memory also reads as ``[kv_heads, length, 1,
+    dim]`` in the kernel's layout; so each key/value head is a batch row of one head (the cache
+    read through a reshape, which ExecuTorch makes a view: ``pass_through_reshapes`` in the
+    ExecuTorch lowering), and the query heads that share it are that row's heads. The mask becomes one
     additive ``[queries, keys]`` mask (0 where visible, the float minimum elsewhere) for every
     layer; query rows that see no key are zeroed afterwards, as eager SDPA gives (the kernel
     would return the values' mean). The cache writes stay as they are: as the program's state

@@ -42,6 +42,16 @@ def runtime_error_text(error: BaseException) -> str:
     return f"{text}: {meaning}" if meaning else text
 
 
+def _register_llm_kernels() -> None:
+    """Register ExecuTorch's LLM kernels (``llama::custom_sdpa``, which ``attention_as_custom_sdpa``
+    uses) with this runtime: its Python build has them only once that library is loaded. A build
+    without the library loads every program that does not use them."""
+    try:
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+    except ImportError:
+        pass
+
+
 class ExecutorchRunner(Runner):
     """The ExecuTorch Python runtime over a ``.pte`` file, its bytes, or an in-memory
     ``ExecutorchProgramManager``, fed with the model's keyword inputs matched by name.
@@ -54,10 +64,9 @@ class ExecutorchRunner(Runner):
     """
 
     def __init__(self, source: str | Path | bytes | Any, spec: ComponentSpec | None = None) -> None:
-        # registers ExecuTorch's LLM kernels (llama::custom_sdpa, from attention_as_custom_sdpa)
-        # with this runtime: its Python build has them only once that library is loaded
-        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
         from executorch.runtime import Runtime
+
+        _register_llm_kernels()
 
         if spec is None:
             spec = _spec_of(source)
