@@ -199,7 +199,7 @@ grouped_query_attention = rule_pass(
 _MASK_FORMS = "hfexport.attention_mask_forms"  # meta of a boolean mask: its (additive, visible) nodes
 
 
-def _mask_forms(edit: GraphEditor, mask: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node]:
+def mask_forms(edit: GraphEditor, mask: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node]:
     """A boolean mask as an additive one (0 where visible, the dtype's minimum elsewhere) and the
     rows that see any key (1.0 / 0.0), made once per mask, at its first attention."""
     if _MASK_FORMS not in mask.meta:
@@ -240,7 +240,7 @@ def attention_as_matmuls(program: Any) -> PassResult:
         dtype = query.meta["val"].dtype
         scale = args.get("scale") or query.meta["val"].shape[-1] ** -0.5
         edit = GraphEditor(program.graph, node)
-        forms = None if mask is None else _mask_forms(edit, mask, dtype)
+        forms = None if mask is None else mask_forms(edit, mask, dtype)
         scores = edit.call(aten.matmul.default, query, edit.call(aten.transpose.int, key, -2, -1))
         scale_tensor = add_constant(program, f"hfexport_attention_scale_{node.name}", torch.tensor(scale, dtype=dtype))
         scores = edit.call(aten.mul.Tensor, scores, scale_tensor)

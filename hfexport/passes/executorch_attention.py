@@ -8,12 +8,13 @@ from typing import Any
 import torch
 from torch.fx import Graph, Node
 
+from hfexport.passes.attention import mask_forms
 from hfexport.pipeline.graph_edit import GraphEditor, arguments
 from hfexport.pipeline.rewrite_rules import RewriteRule, rule_pass
 
 aten = torch.ops.aten
 
-_ADDITIVE_MASK = "hfexport.custom_sdpa_mask"  # meta of a boolean mask: its ([q, k] additive, visible rows)
+_KERNEL_MASK = "hfexport.custom_sdpa_mask"  # meta of an additive [1, 1, q, k] mask: its [q, k] rows
 
 
 def _custom_sdpa() -> Any:
@@ -49,16 +50,14 @@ def _check(node: Node) -> str | None:
     return None
 
 
-def _mask_forms(edit: GraphEditor, mask: Node) -> tuple[Node, Node]:
-    """A ``[1, 1, q, k]`` boolean mask as the kernel's ``[q, k]`` additive one (0 where visible, the
-    float minimum elsewhere) and its rows that see any key (1.0 / 0.0), made once per mask."""
-    if _ADDITIVE_MASK not in mask.meta:
-        rows = edit.call(aten.select.int, edit.call(aten.select.int, mask, 0, 0), 0, 0)
-        additive = edit.call(aten.where.Scalar, rows, 0.0, torch.finfo(torch.float32).min)
-        additive = edit.call(aten._to_copy.default, additive, dtype=torch.float32)
-        visible = edit.call(aten._to_copy.default, edit.call(aten.any.dim, mask, -1, True), dtype=torch.float32)
-        mask.meta[_ADDITIVE_MASK] = (additive, visible)
-    return mask.meta[_ADDITIVE_MASK]
+def _kernel_mask(edit: GraphEditor, mask: Node) -> tuple[Node, Node]:
+    """A ``[1, 1, q, k]`` boolean mask as the kernel's ``[q, k]`` additive one and its rows that see
+    any key (1.0 / 0.0): ``attention_as_matmuls``' forms of the mask (made once per mask, shared
+    with any attention that pass rewrites), the additive one's single row taken once."""
+    additive, visible = mask_forms(edit, mask, torch.float32)
+    if _KERNEL_MASK not in additive.meta:
+        additive.meta[_KERNEL_MASK] = edit.call(aten.select.int, edit.call(aten.select.int, additive, 0, 0), 0, 0)
+    return additive.meta[_KERNEL_MASK], visible
 
 
 def _rewrite(graph: Graph, node: Node) -> None:
@@ -68,7 +67,7 @@ def _rewrite(graph: Graph, node: Node) -> None:
     kv_heads = key.meta["val"].shape[1]
     groups = heads // kv_heads
     edit = GraphEditor(graph, node)
-    additive, visible = _mask_forms(edit, mask)
+    additive, visible = _kernel_mask(edit, mask)
     # the kernel takes [batch, length, heads, dim]: each key/value head becomes a batch row of one
     # head (a view of the cache as it lies), and the query heads it serves that row's heads
     grouped_query = edit.call(aten.reshape.default, query, [kv_heads, groups, -1, dim])
