@@ -342,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-cache-len",
         type=positive_int,
         default=256,
-        help="static cache length with --generation: the prompt and the answer together (each decode step reads "
-        "the whole cache, so a shorter one decodes a little faster)",
+        help="static cache length with --generation: the prompt and the answer together (a batch-1 ExecuTorch "
+        "step reads only the filled slots; a program of several rows reads the whole cache each step)",
     )
     export.add_argument(
         "--components",

@@ -332,6 +332,7 @@ class ExecutorchExporter(HfExporter):
         *CLEANUP_PASSES,
         "grouped_mm_to_batched_mm",
         "whole_input_convolutions_as_linear",
+        "attention_as_custom_sdpa",
         "grouped_query_attention",
         "attention_as_matmuls",
         "last_axis_mean_as_linear",
@@ -347,6 +348,8 @@ class ExecutorchExporter(HfExporter):
         from hfexport.passes.quantize import executorch_quantization_pass
 
         passes = super().pass_list(config)
+        if config.passes is None and config.backend == "cuda":
+            passes = [p for p in passes if p != "attention_as_custom_sdpa"]  # a CPU kernel
         if config.quantize:
             quantization = executorch_quantization_pass(config.quantize, config.quantize_group_size)
             if quantization.name not in {getattr(p, "name", p) for p in passes}:

@@ -23,6 +23,12 @@ def decode_mask(valid: torch.Tensor, query_slots: torch.Tensor, window: int | No
     query at cache slot ``s`` sees slot ``j`` when ``j <= s`` and ``valid[b, j]`` (written and not
     padding), and, for a sliding-window layer type, ``s - j < window``."""
     cache_len = valid.shape[-1]
+    if len(query_slots) and int(query_slots.max()) >= cache_len:
+        raise HfExportError(
+            f"this step writes cache slot {int(query_slots.max())}, past the static cache's {cache_len} slots: the "
+            "prompt and the tokens so far fill it; start a new sequence (reset() the decoder; greedy_decode does) "
+            "or export with a larger max_cache_len"
+        )
     slots = torch.arange(cache_len)[None, :]
     visible = slots <= query_slots[:, None]
     if window is not None:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 
 from hfexport.passes.attention import mask_forms
 from hfexport.pipeline.graph_edit import GraphEditor, arguments
@@ -15,11 +16,16 @@ from hfexport.pipeline.rewrite_rules import RewriteRule, rule_pass
 aten = torch.ops.aten
 
 _KERNEL_MASK = "hfexport.custom_sdpa_mask"  # meta of an additive [1, 1, q, k] mask: its [q, k] rows
+_EXTENT = "hfexport.custom_sdpa_extent"  # meta of a boolean mask: 1 + the last key any query sees
 
 
 def _custom_sdpa() -> Any:
-    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers the llama ops)
-
+    """The kernel's op, registered by importing ExecuTorch's LLM custom ops; None in a build
+    without them."""
+    try:
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers the llama ops)
+    except (ImportError, OSError):
+        return None
     return torch.ops.llama.custom_sdpa.default
 
 
@@ -47,6 +53,8 @@ def _check(node: Node) -> str | None:
         return "query heads not a multiple of the key/value heads"
     if kv_heads != heads and not args.get("enable_gqa"):
         return "fewer key/value heads without enable_gqa"
+    if _custom_sdpa() is None:
+        return "this ExecuTorch build has no LLM custom ops (executorch.extension.llm.custom_ops)"
     return None
 
 
@@ -60,24 +68,42 @@ def _kernel_mask(edit: GraphEditor, mask: Node) -> tuple[Node, Node]:
     return additive.meta[_KERNEL_MASK], visible
 
 
+def _key_extent(edit: GraphEditor, mask: Node) -> Node:
+    """How many keys, from the first, hold every key a query of ``mask`` (``[1, 1, q, k]``, boolean)
+    sees: one past the last visible key, at least 1. Read from the mask at run time (a data-dependent
+    size, bounded by the cache length), once per mask."""
+    if _EXTENT not in mask.meta:
+        keys = mask.meta["val"].shape[-1]
+        seen = edit.call(aten.any.dim, edit.call(aten.reshape.default, mask, [-1, keys]), 0)
+        ends = edit.call(aten.arange.start, 1, keys + 1, dtype=torch.int64)
+        last = edit.call(aten.amax.default, edit.call(aten.mul.Tensor, seen, ends), [0])
+        extent = edit.call(aten._local_scalar_dense.default, edit.call(aten.clamp_min.default, last, 1))
+        shape_env = edit.fake_mode.shape_env
+        extent.meta["unbacked_bindings"] = compute_unbacked_bindings(shape_env, extent.meta["val"])
+        edit.call(aten.sym_constrain_range_for_size.default, extent, min=1, max=keys)
+        mask.meta[_EXTENT] = extent
+    return mask.meta[_EXTENT]
+
+
 def _rewrite(graph: Graph, node: Node) -> None:
     args = arguments(node)
     query, key, value, mask = args["query"], args["key"], args["value"], args["attn_mask"]
-    _, heads, _, dim = query.meta["val"].shape
-    kv_heads = key.meta["val"].shape[1]
-    groups = heads // kv_heads
     edit = GraphEditor(graph, node)
     additive, visible = _kernel_mask(edit, mask)
-    # the kernel takes [batch, length, heads, dim]: each key/value head becomes a batch row of one
-    # head (a view of the cache as it lies), and the query heads it serves that row's heads
-    grouped_query = edit.call(aten.reshape.default, query, [kv_heads, groups, -1, dim])
-    grouped_query = edit.call(aten.permute.default, grouped_query, [0, 2, 1, 3])
-    keys = edit.call(aten.reshape.default, key, [kv_heads, -1, 1, dim])
-    values = edit.call(aten.reshape.default, value, [kv_heads, -1, 1, dim])
-    scale = args.get("scale")
-    attended = edit.call(_custom_sdpa(), grouped_query, keys, values, 0, additive, 0.0, False, scale)
+    # the kernel takes [batch, length, heads, dim]; a cache kept as the program's state is laid out
+    # that way by the lowering (state_in_attention_layout), which makes the keys' and values'
+    # transposes here the buffers themselves
+    keys = mask.meta["val"].shape[-1]
+    if isinstance(keys, int) and keys > 2:  # a static cache's keys: read only the filled ones (a size
+        # bounded by 2 or less cannot be constrained, nor is there anything to save)
+        extent = _key_extent(edit, mask)
+        key, value = (edit.call(aten.slice.Tensor, t, 2, 0, extent) for t in (key, value))
+        if _EXTENT not in additive.meta:
+            additive.meta[_EXTENT] = edit.call(aten.slice.Tensor, additive, 1, 0, extent)
+        additive = additive.meta[_EXTENT]
+    query, key, value = (edit.call(aten.permute.default, t, [0, 2, 1, 3]) for t in (query, key, value))
+    attended = edit.call(_custom_sdpa(), query, key, value, 0, additive, 0.0, False, args.get("scale"))
     output = edit.call(aten.permute.default, attended, [0, 2, 1, 3])
-    output = edit.call(aten.reshape.default, output, [1, heads, -1, dim])
     output = edit.call(aten.mul.Tensor, output, visible)
     node.replace_all_uses_with(output)
     graph.erase_node(node)
@@ -91,22 +117,21 @@ attention_as_custom_sdpa = rule_pass(
     (``llama::custom_sdpa``): SDPA with a boolean ``[1, 1, queries, keys]`` mask, grouped or not.
 
     The kernel takes ``[batch, length, heads, dim]`` tensors, one 2-D float mask for every batch
-    row and key/value heads that divide the query heads. The static cache keeps transformers'
-    ``[1, kv_heads, length, dim]`` layout, whose memory also reads as ``[kv_heads, length, 1,
-    dim]`` in the kernel's layout; so each key/value head is a batch row of one head (the cache
-    read through a reshape, which ExecuTorch makes a view: ``pass_through_reshapes`` in the
-    ExecuTorch lowering), and the query heads that share it are that row's heads. The mask becomes one
+    row and key/value heads that divide the query heads. It reads every key it is given, so it
+    gets only the first keys that hold all a query sees: one past the last key the mask marks
+    visible, read from the mask at run time (a size bounded by the cache length). A decode step
+    then reads the cache's filled slots, not the whole static cache. The mask becomes one
     additive ``[queries, keys]`` mask (0 where visible, the float minimum elsewhere) for every
     layer; query rows that see no key are zeroed afterwards, as eager SDPA gives (the kernel
-    would return the values' mean). The cache writes stay as they are: as the program's state
-    they are already written in place.
+    would return the values' mean).
 
-    The kernel replaces the attention's matmuls and softmax that XNNPACK runs as separate
-    operators. Only a batch of one: the kernel's single mask cannot hold each row's padding (a
-    program of several rows, ``ExecutorchConfig(max_batch_size=...)``, keeps SDPA, counted as
-    missed). Not in the default list: on SmolLM2-135M (cache 128, 1 thread, in turns) the fp32
-    step went from 12.54 to 12.19 ms and the 8da4w step from 2.99 to 3.10 ms; the query's
-    transposes around the kernel (its heads grouped under their key/value head) cost what the
-    kernel saves. Put it before ``grouped_query_attention`` in the pass list to use it.
+    The keys and values are transposed to the kernel's layout. A static cache kept as the
+    program's state is laid out that way by the ExecuTorch lowering
+    (``state_in_attention_layout``): the kernel then reads the buffer's first rows as they lie and
+    each step's new rows are transposed once, when written. A cache passed in
+    (``ExecutorchConfig(cache_in_program=False)``) is copied and transposed, its first rows only.
+
+    Only a batch of one: the kernel's single mask cannot hold each row's padding (a program of
+    several rows, ``ExecutorchConfig(max_batch_size=...)``, keeps SDPA, counted as missed).
     """,
 )

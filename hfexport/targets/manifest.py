@@ -197,18 +197,20 @@ def program_inputs(
 
 
 STATE_PREFIX = "state."  # the buffer of an input a program keeps as its state: state.<input path>
+INPUT_SHAPE = "hfexport.input_shape"  # meta of a state buffer laid out otherwise than its input
 
 
 def program_state(program: torch.export.ExportedProgram) -> list[InputSpec]:
     """The inputs ``program`` keeps as its state (buffers named ``state.<input path>``: see
     :func:`hfexport.targets.executorch.lowering.cache_as_program_state`), in its order."""
-    values = {n.name: n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"}
+    nodes = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     return [
         InputSpec(
             name=spec.target.removeprefix(STATE_PREFIX),
             path=spec.target.removeprefix(STATE_PREFIX),
-            dtype=_dtype(values.get(spec.arg.name)),
-            shape=[int(size) for size in values[spec.arg.name].shape],
+            dtype=_dtype(nodes[spec.arg.name].meta.get("val")),
+            shape=nodes[spec.arg.name].meta.get(INPUT_SHAPE)
+            or [int(size) for size in nodes[spec.arg.name].meta["val"].shape],
             written=True,
             state=True,
         )

@@ -258,7 +258,7 @@ def export_folder(model, prompt, config, folder):
 
 @pytest.mark.parametrize("preset", DECODER_ONLY)
 def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tmp_path, monkeypatch):
-    from hfexport import OnnxConfig
+    from hfexport import HfExportError, OnnxConfig
 
     model = build(preset)
     prompt = sample_inputs(model, 2, 6)
@@ -289,6 +289,10 @@ def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tm
     assert steps[0].shape == (2, 1, model.config.vocab_size) and steps[0].data_ptr() != steps[1].data_ptr()
     monkeypatch.undo()
     assert_a_second_generation_matches(decoder, model)
+    # a step past the cache's end is refused before ONNX Runtime runs it (its own error names neither)
+    end = decoder.max_cache_len
+    with pytest.raises(HfExportError, match=f"writes cache slot {end}, past the static cache's {end} slots"):
+        decoder(ids, valid, torch.tensor([end]), torch.full((2, 1), end))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
@@ -362,7 +366,9 @@ def test_executorch_decode_defaults_to_one_row_and_delegates_each_layer_whole(tm
     delegation = (tmp_path / "dump" / "decode" / "03_delegate" / "delegation.md").read_text()
     subgraphs = int(delegation.splitlines()[0].split(":")[1])
     assert subgraphs <= 2 * 2 + 2, delegation  # 20 with a dynamic batch
-    assert "| aten_slice_copy_tensor | 0 | 1 |" in delegation  # only the logits' last position
+    # the logits' last position; attention_as_custom_sdpa's first keys of the mask and of the two
+    # layers' keys and values
+    assert "| aten_slice_copy_tensor | 0 | 6 |" in delegation
     spec = export.manifest.component("decode")
     ids = next(i for i in spec.inputs if i.path == "input_ids")
     assert ids.shape[0] == 1
@@ -383,22 +389,31 @@ def test_executorch_decode_defaults_to_one_row_and_delegates_each_layer_whole(tm
         export.decoder(batch_size=2)
 
 
-def test_executorch_decode_attends_on_custom_sdpa_when_the_pass_is_listed(tmp_path):
-    """``attention_as_custom_sdpa`` (not in the default list: no faster on SmolLM2) runs each
-    layer's attention on ExecuTorch's ``llama::custom_sdpa``. The kernel reads the cache (the
-    program's state) through reshapes, which stay out of XNNPACK's graphs (there each would copy the
-    cache) and, as memory views, see what the step wrote; a fresh process runs the program too."""
-    from hfexport import ExecutorchConfig, ExecutorchExporter
+def test_executorch_decode_attends_on_custom_sdpa(tmp_path):
+    """``attention_as_custom_sdpa`` runs each layer's attention on ExecuTorch's
+    ``llama::custom_sdpa``. The kernel takes ``[batch, length, heads, dim]``; the cache, as the
+    program's state, is laid out that way, so the kernel reads the first rows of the buffers the
+    step writes (no transposed copy), while the manifest keeps the model's layout; a fresh process
+    runs the program too."""
+    from hfexport import ExecutorchConfig
 
-    model = build("tiny-llama")  # 2 layers
+    model = build("tiny-llama")  # 2 layers, 2 key/value heads of 16, cache 32
     prompt = sample_inputs(model, 1, 6)
-    passes = list(ExecutorchExporter.default_passes)
-    passes.insert(passes.index("grouped_query_attention"), "attention_as_custom_sdpa")
-    config = ExecutorchConfig(dynamic=True, verify=True, passes=passes, dump_dir=str(tmp_path / "dump"))
+    config = ExecutorchConfig(dynamic=True, verify=True, dump_dir=str(tmp_path / "dump"))
     export = export_folder(model, prompt, config, tmp_path / "out")
     delegation = (tmp_path / "dump" / "decode" / "03_delegate" / "delegation.md").read_text()
     assert "| llama_custom_sdpa_default | 0 | 2 |" in delegation
-    assert re.search(r"\| aten_view_copy_default \| \d+ \| 4 \|", delegation)  # 2 layers' keys and values
+    edge = (tmp_path / "dump" / "decode" / "02_to_edge" / "graph.txt").read_text()
+    assert 'cache_layers_0_keys: "f32[1, 32, 2, 16]"' in edge  # [batch, length, heads, dim]
+    # the kernel reads the written buffers' first rows, as many as the mask's last visible key
+    first_rows = dict(
+        re.findall(r"(\w+): \"f32\[1, u\d+, 2, 16\]\" = \w+slice_copy_Tensor\((aten_index_put_default\w*), 1, 0,", edge)
+    )
+    kernels = re.findall(r"llama_custom_sdpa_default\w*\(\w+, (\w+), (\w+),", edge)
+    assert len(kernels) == 2 and all(read in first_rows for pair in kernels for read in pair)
+    assert len({first_rows[read] for pair in kernels for read in pair}) == 4  # 2 layers' keys and values
+    state = [i for i in export.manifest.component("decode").inputs if i.state]
+    assert {tuple(i.shape) for i in state} == {(1, 2, 32, 16)}
     decoder = export.decoder(batch_size=1)
     tokens = greedy_decode(decoder, prompt["input_ids"], 16, decoder.max_cache_len)
     assert torch.equal(tokens, reference_tokens(model, prompt))

@@ -60,3 +60,20 @@ def test_what_the_kernel_cannot_take_is_left_and_counted():
     assert result.counts == {"rewritten": 0, "missed": 1}
     assert "missed: no boolean mask" in result.files["rewrites.md"]
     assert count(result.program, aten.scaled_dot_product_attention.default) == 1
+
+
+def test_the_kernel_reads_only_the_keys_up_to_the_last_visible_one():
+    """A static cache's slots past the last key any query sees are not read: what they hold (NaN
+    here, an unwritten slot) cannot reach the output, and the rest is eager's."""
+    q, k, v = torch.randn(1, 6, 2, 8), torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)
+    mask = torch.zeros(1, 1, 2, 16, dtype=torch.bool)
+    mask[..., :5] = True
+    mask[:, :, 0, 4] = False  # causal: the first query sees 4 keys, the second 5
+    program = torch.export.export(Attention(), (q, k, v, mask))
+    result = get_pass("attention_as_custom_sdpa")(program)
+    assert result.counts == {"rewritten": 1, "missed": 0}
+    unwritten_k, unwritten_v = k.clone(), v.clone()
+    unwritten_k[:, :, 5:], unwritten_v[:, :, 5:] = float("nan"), float("nan")
+    got = result.program.module()(q, unwritten_k, unwritten_v, mask)
+    torch.testing.assert_close(got, Attention()(q, k, v, mask), atol=1e-6, rtol=0)
+    assert count(result.program, aten._local_scalar_dense.default) == 1  # the extent, read from the mask

@@ -22,6 +22,7 @@ from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_
 from hfexport.pipeline.capture import AxisBounds, Captured
 from hfexport.pipeline.pipeline import PipelineRun
 from hfexport.targets.manifest import (
+    INPUT_SHAPE,
     STATE_PREFIX,
     ComponentSpec,
     OutputSpec,
@@ -79,47 +80,12 @@ def default_memory_budget_mb() -> int:
 def partitioners(backend: str) -> list[Any]:
     """The partitioners of an ExecuTorch backend (``portable``: none)."""
     if backend == "xnnpack":
-        return [_xnnpack_partitioner()]
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+        return [XnnpackPartitioner()]
     if backend == "portable":
         return []
     raise ConfigError(f"ExecuTorch backend {backend!r} is not supported by this lowering; use 'xnnpack' or 'portable'")
-
-
-def _xnnpack_partitioner() -> Any:
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir.backend.canonical_partitioners.pattern_op_partitioner import (
-        generate_grouped_partitions_from_list_of_nodes,
-    )
-
-    class Partitioner(XnnpackPartitioner):
-        """XNNPACK's partitioner, leaving out the reshapes that would only copy a tensor between two
-        ops it does not take (:func:`pass_through_reshapes`)."""
-
-        def generate_partitions(self, ep: Any) -> list[Any]:
-            matches = self.get_matched_nodes_from_configs(ep)
-            left_out = pass_through_reshapes(matches)
-            matches = [kept for match in matches if (kept := [node for node in match if node not in left_out])]
-            return generate_grouped_partitions_from_list_of_nodes(ep.graph_module, matches)
-
-    return Partitioner()
-
-
-def pass_through_reshapes(matches: list[list[torch.fx.Node]]) -> set[torch.fx.Node]:
-    """The ``view_copy`` nodes among ``matches`` (the nodes a partitioner takes) whose input and
-    users it does not take.
-
-    Inside a delegate such a reshape is a copy of its input, made only to hand the result back to
-    the program; left out, ExecuTorch makes it a view sharing its input's memory. The case that
-    matters: ``attention_as_custom_sdpa`` reads every layer's key and value cache through a
-    reshape, and XNNPACK would copy each one every step."""
-    taken = {node for match in matches for node in match}
-    return {
-        node
-        for node in taken
-        if _edge_op(node, "aten::view_copy")
-        and node.args[0] not in taken
-        and not any(user in taken for user in node.users)
-    }
 
 
 def to_edge(
@@ -144,8 +110,8 @@ def to_edge(
     drop_same_layout_copies(program)
     drop_same_shape_expands(program)
     infer_the_dynamic_view_axis(program)
-    if state_from is not None:
-        cache_as_program_state(program, state_from)
+    if state_from is not None and cache_as_program_state(program, state_from):
+        state_in_attention_layout(program)
     return edge
 
 
@@ -244,6 +210,71 @@ def cache_as_program_state(program: torch.export.ExportedProgram, sample: dict[s
     call.outputs = [o for o in call.outputs if getattr(o, "name", None) not in dropped]
     call.forward_arg_names = None
     return sorted(state.values())
+
+
+def state_in_attention_layout(program: torch.export.ExportedProgram) -> int:
+    """Lay out each state buffer that the program reads only as ``attention_as_custom_sdpa`` hands
+    a cache to the fused kernel, its first keys transposed from ``[batch, heads, length, dim]`` to
+    ``[batch, length, heads, dim]``, in that order, and return how many were.
+
+    The kernel's keys are then the buffer's first rows as they lie, where each step transposed
+    them; the write (``index_put_`` along the length axis, in place) takes the new rows transposed
+    instead, one step's rows. The initial value is transposed to match."""
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    swap = [0, 2, 1, 3]
+    graph = program.graph_module.graph
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+
+    def transposed(node: torch.fx.Node) -> bool:
+        return _edge_op(node, "aten::permute_copy") and list(node.args[1]) == swap
+
+    def first_keys(read: torch.fx.Node) -> bool:  # slice_copy(cache, 2, 0, n), read only transposed
+        return (
+            _edge_op(read, "aten::slice_copy.Tensor")
+            and tuple(read.args[1:3]) == (2, 0)
+            and len(read.args) <= 4
+            and all(transposed(user) for user in read.users)
+        )
+
+    changed = 0
+    for spec in program.graph_signature.input_specs:
+        buffer = placeholders.get(getattr(spec.arg, "name", None))
+        if buffer is None or not str(spec.target).startswith(STATE_PREFIX) or len(buffer.users) != 1:
+            continue
+        (write,) = buffer.users
+        if not _edge_op(write, "aten::index_put_") or write.args[0] is not buffer or buffer.meta["val"].dim() != 4:
+            continue
+        indices, rows = write.args[1], write.args[2]
+        reads = [user for user in write.users if user.op != "output"]
+        if len(indices) != 3 or indices[:2] != [None, None] or not reads or not all(map(first_keys, reads)):
+            continue
+        initial = program.state_dict[spec.target].permute(swap).contiguous()
+        program.state_dict[spec.target] = initial
+        fake_mode = buffer.meta["val"].fake_mode
+        buffer.meta[INPUT_SHAPE] = [int(size) for size in buffer.meta["val"].shape]
+        buffer.meta["val"] = fake_mode.from_tensor(initial, static_shapes=True)
+        if transposed(rows):
+            rows = rows.args[0]  # the values: transposed from [batch, length, heads, dim] just before
+        else:
+            with graph.inserting_before(write):
+                node = graph.call_function(exir_ops.edge.aten.permute_copy.default, (rows, swap))
+            with fake_mode:
+                node.meta["val"] = rows.meta["val"].permute(swap).contiguous()
+            rows = node
+        write.args = (buffer, [None, indices[2]], rows, *write.args[3:])
+        write.meta["val"] = fake_mode.from_tensor(initial, static_shapes=True)
+        for read in reads:
+            read.args = (write, 1, *read.args[2:])
+            with fake_mode:
+                read.meta["val"] = next(iter(read.users)).meta["val"].clone()
+            for user in list(read.users):
+                user.replace_all_uses_with(read)
+                graph.erase_node(user)
+        changed += 1
+    if changed:
+        program.graph_module.recompile()
+    return changed
 
 
 def _write_state_in_place(program: torch.export.ExportedProgram, inputs: list[Any], outputs: list[Any]) -> set[int]:
@@ -403,12 +434,7 @@ def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
     from executorch.exir import ExecutorchBackendConfig
     from executorch.exir.passes import MemoryPlanningPass
 
-    class Planning(MemoryPlanningPass):
-        def run(self, graph_module: torch.fx.GraphModule, graph_signature: Any = None) -> Any:
-            views_of_in_place_writes_see_the_written_tensor(graph_module)
-            return super().run(graph_module, graph_signature)
-
-    planning = Planning(
+    planning = MemoryPlanningPass(
         alloc_graph_input=config.alloc_graph_input,
         alloc_graph_output=config.alloc_graph_output,
         alloc_mutable_buffers=config.alloc_mutable_buffers,
@@ -434,32 +460,6 @@ def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
             "or raise ExecutorchConfig(max_planned_memory_mb=...)"
         )
     return program
-
-
-def views_of_in_place_writes_see_the_written_tensor(graph_module: torch.fx.GraphModule) -> int:
-    """Make each memory view of an in-place op's result (a reshape of a cache the program writes in
-    place, left out of XNNPACK by :func:`pass_through_reshapes`) a view of the tensor the op
-    writes, and return how many.
-
-    ExecuTorch turns ``view_copy`` into a view sharing its base's memory plan before memory planning
-    gives an in-place op's result the memory of the tensor it writes (``_alias_inplace_result_specs``
-    in ``exir/memory_planning.py``, from pytorch/executorch#19482; executorch 1.4.1); the view then
-    keeps the result's own plan, memory nothing writes, and reads garbage."""
-    from executorch.exir import memory
-    from executorch.exir.memory_planning import _is_inplace_node
-
-    rebased = 0
-    for node in graph_module.graph.nodes:
-        if node.op != "call_function" or node.target is not memory.view:
-            continue
-        base = node.args[0]
-        spec = node.meta.get("spec")
-        if isinstance(base, torch.fx.Node) and _is_inplace_node(base) and hasattr(spec, "_base"):
-            written = base.args[0].meta.get("spec")
-            if written is not None and spec._base is not written:
-                spec._base = written
-                rebased += 1
-    return rebased
 
 
 # --- artifact kinds --------------------------------------------------------------------------------
