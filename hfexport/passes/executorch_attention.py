@@ -93,9 +93,9 @@ def _rewrite(graph: Graph, node: Node) -> None:
     # the kernel takes [batch, length, heads, dim]; a cache kept as the program's state is laid out
     # that way by the lowering (state_in_attention_layout), which makes the keys' and values'
     # transposes here the buffers themselves
-    keys = mask.meta["val"].shape[-1]
-    if isinstance(keys, int) and keys > 2:  # a static cache's keys: read only the filled ones (a size
-        # bounded by 2 or less cannot be constrained, nor is there anything to save)
+    slots = mask.meta["val"].shape[-1]
+    if isinstance(slots, int) and slots > 2:  # a static cache's keys: read only the filled ones (a
+        # size bounded by 2 or less cannot be constrained, nor is there anything to save)
         extent = _key_extent(edit, mask)
         key, value = (edit.call(aten.slice.Tensor, t, 2, 0, extent) for t in (key, value))
         if _EXTENT not in additive.meta:

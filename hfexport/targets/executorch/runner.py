@@ -86,6 +86,7 @@ class ExecutorchRunner(Runner):
             raise ArtifactError(f"the ExecuTorch runtime cannot load {where} ({text}); {cause}") from error
         meta = self.method.metadata
         self.upper_bounds = [tuple(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
+        self.fed = spec.fed  # the manifest's inputs in the method's order (checked on every step)
         if len(spec.fed) != len(self.upper_bounds):
             raise HfExportError(
                 f"the program takes {len(self.upper_bounds)} inputs but its manifest lists {len(spec.fed)} "
@@ -95,7 +96,7 @@ class ExecutorchRunner(Runner):
 
     def check_planned(self, values: list[Any]) -> None:
         """Raise :class:`HfExportError` if an input exceeds the size the program planned for it."""
-        for spec, value, bounds in zip(self.spec.fed, values, self.upper_bounds, strict=True):
+        for spec, value, bounds in zip(self.fed, values, self.upper_bounds, strict=True):
             shape = tuple(getattr(value, "shape", ()))
             if len(shape) != len(bounds):
                 raise HfExportError(f"input {spec.name!r} has rank {len(shape)}, the program expects {len(bounds)}")
@@ -208,7 +209,7 @@ class ExecutorchDecoder(StaticCacheDecoder):
     ) -> torch.Tensor:
         fed = {"input_ids": input_ids, "position_ids": position_ids, **self.masks.by_input_path(valid, query_slots)}
         values = []
-        for spec in self.spec.fed:
+        for spec in self.runner.fed:
             if spec.path in self.cache:
                 values.append(self.cache[spec.path])
             elif spec.path in fed:
@@ -230,6 +231,8 @@ def _copied(tensor: torch.Tensor) -> torch.Tensor:
     OpenMP pool, whose idle workers then spin for a while and take the cores XNNPACK's threads
     need for the next step: with torch's default threads, SmolLM2's 8da4w step took 6.4–7.9 ms
     instead of 4.5–5.0 on this 2-core machine. A dtype numpy lacks (bfloat16) takes torch's copy."""
+    if tensor.dim() == 0:  # a token counter: torch's copy of one element is the cheaper
+        return tensor.clone()
     try:
         return torch.from_numpy(tensor.numpy().copy())
     except TypeError:
