@@ -289,7 +289,7 @@ def test_onnx_static_decode_with_io_binding_generates_the_same_tokens(preset, tm
     assert steps[0].shape == (2, 1, model.config.vocab_size) and steps[0].data_ptr() != steps[1].data_ptr()
     monkeypatch.undo()
     assert_a_second_generation_matches(decoder, model)
-    # a step past the cache's end is refused before ONNX Runtime runs it (its own error names neither)
+    # a step past the cache's end is refused before ONNX Runtime runs it (it ran this one silently)
     end = decoder.max_cache_len
     with pytest.raises(HfExportError, match=f"writes cache slot {end}, past the static cache's {end} slots"):
         decoder(ids, valid, torch.tensor([end]), torch.full((2, 1), end))
