@@ -164,6 +164,8 @@ class TeacherForced:
         return greedy_decode(step, self.ids, SHORT_ANSWER_TOKENS, cache_len, eos_token_id=eos)
 
     def top1(self, step, cache_len: int) -> float:
+        if callable(reset := getattr(step, "reset", None)):
+            reset()  # the whole continuation goes in from slot 0, as greedy_decode's prompt does
         length = self.tokens.shape[1]
         valid = torch.zeros(1, cache_len, dtype=torch.long)
         valid[:, :length] = 1
