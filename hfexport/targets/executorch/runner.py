@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +95,13 @@ class ExecutorchRunner(Runner):
             )
         super().__init__(spec)
 
-    def check_planned(self, values: list[Any]) -> None:
-        """Raise :class:`HfExportError` if an input exceeds the size the program planned for it."""
-        for spec, value, bounds in zip(self.fed, values, self.upper_bounds, strict=True):
+    def check_planned(self, values: list[Any], indices: Sequence[int] | None = None) -> None:
+        """Raise :class:`HfExportError` if an input (of ``values``, or only those at ``indices``)
+        exceeds the size the program planned for it."""
+        if len(values) != len(self.fed):
+            raise HfExportError(f"the program takes {len(self.fed)} inputs, got {len(values)}")
+        for index in range(len(values)) if indices is None else indices:
+            spec, value, bounds = self.fed[index], values[index], self.upper_bounds[index]
             shape = tuple(getattr(value, "shape", ()))
             if len(shape) != len(bounds):
                 raise HfExportError(f"input {spec.name!r} has rank {len(shape)}, the program expects {len(bounds)}")
@@ -198,6 +203,8 @@ class ExecutorchDecoder(StaticCacheDecoder):
         outputs = self.spec.returned
         self.written_at = {o.writes: i for i, o in enumerate(outputs) if o.kind == "write_back"}
         self.logits_index = next(i for i, o in enumerate(outputs) if o.kind == "tensor")
+        # the inputs this loop feeds from outside (not the cache it keeps): the ones checked each step
+        self.outside = [index for index, spec in enumerate(self.runner.fed) if spec.path not in self.cache]
         self.masks = DecodeMasks.from_input_paths(
             [i.path for i in self.spec.fed],
             self.spec.attention_windows,
@@ -218,7 +225,7 @@ class ExecutorchDecoder(StaticCacheDecoder):
                 raise HfExportError(
                     f"the decode program takes an input {spec.name!r} this decode loop does not provide"
                 )
-        self.runner.check_planned(values)
+        self.runner.check_planned(values, self.outside)
         # only what is kept is copied out of the program's memory: not the cache it also returns
         outputs = self.runner.execute(values, clone_outputs=False)
         for path, index in self.written_at.items():
