@@ -412,6 +412,10 @@ def test_executorch_decode_attends_on_custom_sdpa(tmp_path):
     kernels = re.findall(r"llama_custom_sdpa_default\w*\(\w+, (\w+), (\w+),", edge)
     assert len(kernels) == 2 and all(read in first_rows for pair in kernels for read in pair)
     assert len({first_rows[read] for pair in kernels for read in pair}) == 4  # 2 layers' keys and values
+    # the rotary embeddings and the outputs' row mask run in the kernel's layout: the model's
+    # transposes to [batch, heads, length, dim] and back (six per layer) are gone; one transpose of
+    # the mask's rows is left, for every layer
+    assert edge.count("= executorch_exir_dialects_edge__ops_aten_permute_copy_default(") == 1
     state = [i for i in export.manifest.component("decode").inputs if i.state]
     assert {tuple(i.shape) for i in state} == {(1, 2, 32, 16)}
     decoder = export.decoder(batch_size=1)

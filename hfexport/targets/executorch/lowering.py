@@ -112,6 +112,9 @@ def to_edge(
     infer_the_dynamic_view_axis(program)
     if state_from is not None and cache_as_program_state(program, state_from):
         state_in_attention_layout(program)
+    drop_same_shape_views(program)
+    cancel_head_transposes(program)
+    drop_contiguous_clones(program)
     return edge
 
 
@@ -277,6 +280,128 @@ def state_in_attention_layout(program: torch.export.ExportedProgram) -> int:
     return changed
 
 
+_HEAD_SWAP = [0, 2, 1, 3]  # [batch, length, heads, dim] <-> [batch, heads, length, dim]: its own inverse
+_ELEMENTWISE = ("aten::mul.Tensor", "aten::add.Tensor", "aten::sub.Tensor")
+
+
+def cancel_head_transposes(program: torch.export.ExportedProgram) -> int:
+    """Where a 4-D tensor is transposed between the head and length axes, goes through elementwise
+    ops (``mul``, ``add``, ``sub``) and last-axis linears only, and every result leaving them is
+    transposed back, run those ops on the untransposed tensor and drop both transposes; a 4-D
+    operand from outside is transposed instead, once however many such chains use it. Returns how
+    many chains changed.
+
+    A decoder layer has three such chains: the query's and the key's rotary embedding (the model
+    transposes them to ``[batch, heads, length, dim]``; ``custom_sdpa`` and the state cache take them
+    back to ``[batch, length, heads, dim]``) and the attention output's row mask. Each XNNPACK
+    transpose is one more operator a step runs and re-plans (the length axis is dynamic): six per
+    layer. The values are the same, computed in another memory order."""
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    graph = program.graph_module.graph
+    transposed_operands: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def swaps(node: Any) -> bool:
+        return (
+            isinstance(node, torch.fx.Node)
+            and _edge_op(node, "aten::permute_copy")
+            and list(node.args[1]) == _HEAD_SWAP
+            and node.meta["val"].dim() == 4
+        )
+
+    def region(head: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]] | None:
+        """The ops between ``head`` and the transposes back (in graph order), and those transposes."""
+        inside, exits, queue = [], [], [head]
+        while queue:
+            node = queue.pop()
+            for user in node.users:
+                if user in inside or user in exits:
+                    continue
+                if swaps(user) and user is not head:
+                    exits.append(user)
+                elif _edge_op(user, "aten::linear") and user.args[0] is node and user.args[1] is not node:
+                    inside.append(user)
+                    queue.append(user)
+                elif any(_edge_op(user, name) for name in _ELEMENTWISE) and not user.kwargs and len(user.args) == 2:
+                    inside.append(user)
+                    queue.append(user)
+                else:
+                    return None
+        members = set(inside) | {head}
+        for node in inside:  # an operand from outside must not depend on the head axis' order
+            if _edge_op(node, "aten::linear"):
+                continue  # its weight (and bias) act on the last axis only
+            for operand in node.args:
+                if operand in members or not isinstance(operand, torch.fx.Node):
+                    continue
+                shape = operand.meta["val"].shape
+                if len(shape) != 4 and any(size != 1 for size in shape[:-1]):
+                    return None
+        order = {node: index for index, node in enumerate(graph.nodes)}
+        return sorted(inside, key=order.__getitem__), exits
+
+    def transposed(operand: torch.fx.Node) -> torch.fx.Node:
+        if swaps(operand):
+            return operand.args[0]
+        if operand not in transposed_operands:
+            # [batch, 1, length, dim] made by unsqueeze(x, 1) (the rotary's cos and sin) is unsqueeze(x, 2) transposed
+            unsqueezed = _edge_op(operand, "aten::unsqueeze_copy") and operand.args[1] in (1, -3)
+            placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+            with graph.inserting_after(operand if operand.op == "call_function" else placeholders[-1]):
+                node = (
+                    graph.call_function(exir_ops.edge.aten.unsqueeze_copy.default, (operand.args[0], 2))
+                    if unsqueezed
+                    else graph.call_function(exir_ops.edge.aten.permute_copy.default, (operand, _HEAD_SWAP))
+                )
+            with operand.meta["val"].fake_mode:
+                node.meta["val"] = operand.meta["val"].permute(_HEAD_SWAP).contiguous()
+            transposed_operands[operand] = node
+        return transposed_operands[operand]
+
+    changed = 0
+    erased: set[torch.fx.Node] = set()
+    for head in [node for node in graph.nodes if swaps(node)]:
+        if head in erased:
+            continue
+        if not head.users:  # left by an earlier rewrite (a value's transpose once the cache took it as is)
+            graph.erase_node(head)
+            erased.add(head)
+            continue
+        found = region(head)
+        if found is None or not found[1]:
+            continue
+        inside, exits = found
+        members = set(inside)
+        for node in inside:
+            node.args = tuple(
+                head.args[0]
+                if arg is head
+                else transposed(arg)
+                if isinstance(arg, torch.fx.Node)
+                and arg not in members
+                and arg.meta["val"].dim() == 4
+                and not (_edge_op(node, "aten::linear") and index > 0)
+                else arg
+                for index, arg in enumerate(node.args)
+            )
+            with node.meta["val"].fake_mode:
+                node.meta["val"] = node.meta["val"].permute(_HEAD_SWAP).contiguous()
+        for exit_ in exits:
+            exit_.replace_all_uses_with(head.args[0] if exit_.args[0] is head else exit_.args[0])
+            graph.erase_node(exit_)
+            erased.add(exit_)
+        if not head.users:
+            graph.erase_node(head)
+            erased.add(head)
+        changed += 1
+    for operand in transposed_operands:  # the rotary's cos and sin unsqueezed for the other order
+        if not operand.users and operand.op == "call_function":
+            graph.erase_node(operand)
+    if changed:
+        program.graph_module.recompile()
+    return changed
+
+
 def _write_state_in_place(program: torch.export.ExportedProgram, inputs: list[Any], outputs: list[Any]) -> set[int]:
     """Make each state buffer's write (``index_put``, functional after decomposition) an
     ``index_put_`` on the buffer itself, so the new rows land in the state with no copy of it; the
@@ -342,18 +467,47 @@ def drop_same_shape_expands(program: torch.export.ExportedProgram) -> int:
     many went. Decomposing ``matmul`` expands both operands to the broadcast shape, a copy of the
     whole key cache per layer when the shapes already match, and XNNPACK takes no ``expand_copy``
     with a dynamic axis, so each one also split the layer's delegated graph."""
+    return _drop_identities(program, "aten::expand_copy", lambda node: _same_shape(node.args[0], node))
+
+
+def drop_same_shape_views(program: torch.export.ExportedProgram) -> int:
+    """Replace each ``view_copy`` whose result has its input's shape (a reshape to the same
+    ``[batch, heads, -1, dim]``, as attention outputs get) by the input, and return how many went."""
+    return _drop_identities(program, "aten::view_copy", lambda node: _same_shape(node.args[0], node))
+
+
+def drop_contiguous_clones(program: torch.export.ExportedProgram) -> int:
+    """Replace each ``_clone_dim_order`` to the contiguous order of an input already contiguous by
+    the input, and return how many went (a transpose's ``.contiguous()`` once the transpose has
+    gone: :func:`cancel_head_transposes`)."""
+
+    def identity(node: torch.fx.Node) -> bool:
+        value = node.args[0].meta.get("val")
+        order = node.kwargs.get("dim_order")
+        return (
+            isinstance(value, torch.Tensor)
+            and value.is_contiguous()
+            and (order is None or list(order) == list(range(value.dim())))
+        )
+
+    return _drop_identities(program, "dim_order_ops::_clone_dim_order", identity)
+
+
+def _same_shape(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    x, y = a.meta.get("val"), b.meta.get("val")
+    return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+
+
+def _drop_identities(program: torch.export.ExportedProgram, name: str, identity: Any) -> int:
+    """Replace each ``name`` op that ``identity(node)`` says returns its first argument's values
+    by that argument (not a program output's value), and return how many went."""
     graph = program.graph_module.graph
+    outputs = {getattr(spec.arg, "name", None) for spec in program.graph_signature.output_specs}
     dropped = 0
     for node in list(graph.nodes):
-        if not _edge_op(node, "aten::expand_copy"):
+        if not _edge_op(node, name) or node.name in outputs or not identity(node):
             continue
-        source = node.args[0]
-        a, b = source.meta.get("val"), node.meta.get("val")
-        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or a.shape != b.shape:
-            continue
-        if any(getattr(spec.arg, "name", None) == node.name for spec in program.graph_signature.output_specs):
-            continue
-        node.replace_all_uses_with(source)
+        node.replace_all_uses_with(node.args[0])
         graph.erase_node(node)
         dropped += 1
     if dropped:
