@@ -267,3 +267,42 @@ def test_the_decoder_copies_outputs_out_of_the_program_memory_in_any_dtype(tenso
 
     copy = _copied(tensor)
     assert copy.dtype == tensor.dtype and torch.equal(copy, tensor) and copy.data_ptr() != tensor.data_ptr()
+
+
+def test_head_transposes_around_elementwise_ops_cancel_and_an_output_keeps_its_value():
+    """``cancel_head_transposes``: a [batch, length, heads, dim] tensor transposed to heads first,
+    through a mul by a [1, 1, length, dim] operand and an add, and transposed back, runs the ops
+    untransposed (the operand transposed instead); the program output that was the transpose back
+    names the new value. A chain with another user keeps its transposes."""
+    from executorch.exir import to_edge
+
+    from hfexport.targets.executorch.lowering import cancel_head_transposes
+
+    class Chain(torch.nn.Module):
+        def forward(self, x, c):
+            t = x.transpose(1, 2)
+            return (t * c + t).transpose(1, 2), x.sum()
+
+    class Kept(torch.nn.Module):
+        def forward(self, x, c):
+            y = x.transpose(1, 2) * c
+            return y.transpose(1, 2), y.sum()  # y in the heads-first order is used as such
+
+    x, c = torch.randn(1, 5, 3, 8), torch.randn(1, 1, 5, 8)
+
+    def transposes(program):
+        return [n for n in program.graph.nodes if getattr(n.target, "_name", None) == "aten::permute_copy"]
+
+    program = to_edge(torch.export.export(Chain(), (x, c))).exported_program()
+    assert len(transposes(program)) == 2
+    assert cancel_head_transposes(program) == 1
+    program.graph_module.graph.lint()
+    assert [n.args[0].meta["val"].shape for n in transposes(program)] == [torch.Size([1, 1, 5, 8])]  # c's
+    names = [spec.arg.name for spec in program.graph_signature.output_specs]
+    assert names == [n.name for n in program.graph.output_node().args[0]]
+    for got, want in zip(program.module()(x, c), Chain()(x, c), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+    program = to_edge(torch.export.export(Kept(), (x, c))).exported_program()
+    assert cancel_head_transposes(program) == 0
+    assert len(transposes(program)) == 2

@@ -387,7 +387,11 @@ def cancel_head_transposes(program: torch.export.ExportedProgram) -> int:
             with node.meta["val"].fake_mode:
                 node.meta["val"] = node.meta["val"].permute(_HEAD_SWAP).contiguous()
         for exit_ in exits:
-            exit_.replace_all_uses_with(head.args[0] if exit_.args[0] is head else exit_.args[0])
+            value = head.args[0] if exit_.args[0] is head else exit_.args[0]
+            exit_.replace_all_uses_with(value)
+            for spec in program.graph_signature.output_specs:  # a program output names its value
+                if getattr(spec.arg, "name", None) == exit_.name:
+                    spec.arg = type(spec.arg)(name=value.name)
             graph.erase_node(exit_)
             erased.add(exit_)
         if not head.users:
