@@ -346,8 +346,8 @@ def cancel_head_transposes(program: torch.export.ExportedProgram) -> int:
         if operand not in transposed_operands:
             # [batch, 1, length, dim] made by unsqueeze(x, 1) (the rotary's cos and sin) is unsqueeze(x, 2) transposed
             unsqueezed = _edge_op(operand, "aten::unsqueeze_copy") and operand.args[1] in (1, -3)
-            placeholders = [node for node in graph.nodes if node.op == "placeholder"]
-            with graph.inserting_after(operand if operand.op == "call_function" else placeholders[-1]):
+            after = operand if operand.op == "call_function" else [n for n in graph.nodes if n.op == "placeholder"][-1]
+            with graph.inserting_after(after):
                 node = (
                     graph.call_function(exir_ops.edge.aten.unsqueeze_copy.default, (operand.args[0], 2))
                     if unsqueezed
@@ -387,12 +387,7 @@ def cancel_head_transposes(program: torch.export.ExportedProgram) -> int:
             with node.meta["val"].fake_mode:
                 node.meta["val"] = node.meta["val"].permute(_HEAD_SWAP).contiguous()
         for exit_ in exits:
-            value = head.args[0] if exit_.args[0] is head else exit_.args[0]
-            exit_.replace_all_uses_with(value)
-            for spec in program.graph_signature.output_specs:  # a program output names its value
-                if getattr(spec.arg, "name", None) == exit_.name:
-                    spec.arg = type(spec.arg)(name=value.name)
-            graph.erase_node(exit_)
+            _replace_node(program, exit_, head.args[0] if exit_.args[0] is head else exit_.args[0])
             erased.add(exit_)
         if not head.users:
             graph.erase_node(head)
@@ -451,15 +446,21 @@ def drop_same_layout_copies(program: torch.export.ExportedProgram) -> int:
             continue
         if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype:
             continue
-        node.replace_all_uses_with(src)
-        for spec in program.graph_signature.output_specs:  # the write-back of an input names its value
-            if getattr(spec.arg, "name", None) == node.name:
-                spec.arg = type(spec.arg)(name=src.name)
-        graph.erase_node(node)
+        _replace_node(program, node, src)
         dropped += 1
     if dropped:
         program.graph_module.recompile()
     return dropped
+
+
+def _replace_node(program: torch.export.ExportedProgram, node: torch.fx.Node, value: torch.fx.Node) -> None:
+    """Give ``node``'s users ``value`` instead and erase ``node``; a program output (a user output,
+    an input's write-back) that named ``node`` names ``value``."""
+    node.replace_all_uses_with(value)
+    for spec in program.graph_signature.output_specs:
+        if getattr(spec.arg, "name", None) == node.name:
+            spec.arg = type(spec.arg)(name=value.name)
+    node.graph.erase_node(node)
 
 
 def _edge_op(node: torch.fx.Node, name: str) -> bool:
