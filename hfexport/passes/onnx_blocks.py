@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-DOMAIN = "com.microsoft"
+from hfexport.passes.onnx_graph import MS_DOMAIN
 
 
 def minimum_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -102,7 +102,7 @@ def rewrite_with_minimum_blocks(
                 [x, f"{base}_q", f"{base}_scales"],
                 [f"{y}_q4"],
                 name=f"{label}_Q4",
-                domain=DOMAIN,
+                domain=MS_DOMAIN,
                 K=k,
                 N=n,
                 bits=4,
@@ -127,6 +127,6 @@ def rewrite_with_minimum_blocks(
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     rewritten = sum(len(group) for group in groups.values())
-    if rewritten and not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    if rewritten and not any(o.domain == MS_DOMAIN for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
     return rewritten

@@ -7,6 +7,9 @@ from typing import Any
 
 from hfexport.pipeline.pass_manager import PassResult, register_pass
 
+# ONNX Runtime's contrib operators (MatMulNBits, GroupQueryAttention, RotaryEmbedding, …)
+MS_DOMAIN = "com.microsoft"
+
 
 def _node_count(program: Any) -> int:
     import onnx_ir as ir

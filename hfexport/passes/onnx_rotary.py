@@ -8,6 +8,8 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
+from hfexport.passes.onnx_graph import MS_DOMAIN
+
 
 class TokenAnglesRotary(pattern.RewriteRuleClassBase):
     """``RotaryEmbedding(x, cos(cat(a, a)), sin(cat(a, a)))`` (onnxscript's intermediate form;
@@ -62,9 +64,7 @@ class TokenAnglesRotary(pattern.RewriteRuleClassBase):
                 index = op.Reshape(op.Range(op.Constant(value_int=0), count, op.Constant(value_int=1)), batch_tokens)
             self._tables[angles] = (index, op.Reshape(op.Cos(angles), rows), op.Reshape(op.Sin(angles), rows))
         index, cos, sin = self._tables[angles]
-        return op.RotaryEmbedding(
-            x, index, cos, sin, interleaved=interleaved, num_heads=num_heads, _domain="com.microsoft"
-        )
+        return op.RotaryEmbedding(x, index, cos, sin, interleaved=interleaved, num_heads=num_heads, _domain=MS_DOMAIN)
 
     def cleanup(self) -> None:
         self._tables.clear()
