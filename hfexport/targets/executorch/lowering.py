@@ -512,8 +512,7 @@ def _drop_identities(program: torch.export.ExportedProgram, name: str, identity:
     for node in list(graph.nodes):
         if not _edge_op(node, name) or node.name in outputs or not identity(node):
             continue
-        node.replace_all_uses_with(node.args[0])
-        graph.erase_node(node)
+        _replace_node(program, node, node.args[0])
         dropped += 1
     if dropped:
         program.graph_module.recompile()
