@@ -332,6 +332,7 @@ class ExecutorchExporter(HfExporter):
         *CLEANUP_PASSES,
         "grouped_mm_to_batched_mm",
         "whole_input_convolutions_as_linear",
+        "dynamic_conv1d_as_conv2d",
         "attention_as_custom_sdpa",
         "grouped_query_attention",
         "attention_as_matmuls",

@@ -68,8 +68,7 @@ def check_sample_tensors(model: torch.nn.Module, inputs: dict[str, Any]) -> None
             raise ConfigError(
                 f"input {name!r} is a {type(value).__name__}; pass a torch tensor (torch.as_tensor(value))"
             )
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    table = getattr(embeddings, "num_embeddings", None)
+    table = getattr(input_embeddings(model), "num_embeddings", None)
     config = getattr(model, "config", None)
     special = {
         value
@@ -96,6 +95,15 @@ def check_sample_tensors(model: torch.nn.Module, inputs: dict[str, Any]) -> None
                 f"input {name!r} holds id(s) {outside[:5]} outside the embedding table (0 to {table - 1}); "
                 "a sample must hold ids the model can look up"
             )
+
+
+def input_embeddings(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model's token embedding table, or ``None`` for a model without one (vision, audio,
+    CLIP-style dual encoders: transformers raises ``NotImplementedError`` for those)."""
+    try:
+        return model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 class TransformersFrontend(Frontend):

@@ -66,3 +66,46 @@ def whole_input_convolutions_as_linear(graph_module: GraphModule) -> int:
         graph_module.graph.erase_node(node)
         rewritten += 1
     return rewritten
+
+
+def _dynamic_axes(value: torch.Tensor) -> int:
+    return sum(not isinstance(size, int) for size in value.shape)
+
+
+@graph_pass()
+def dynamic_conv1d_as_conv2d(graph_module: GraphModule) -> int:
+    """Rewrite a 1-D convolution whose input has more than one dynamic axis (batch and length:
+    an audio encoder's feature extractor) as a 2-D one over ``x.unsqueeze(2)``, squeezed back.
+
+    XNNPACK runs a 1-D convolution as a 2-D one between a reshape and its inverse that it adds
+    itself, after partitioning, and its reshape takes one dynamic axis: delegating such a
+    convolution failed with "XNNPACK reshape only supports 1 dynamic dimension" (its own
+    rewrite's squeeze, pytorch/executorch#11449). Made here, the two reshapes are ordinary
+    graph nodes that the partitioner leaves to portable kernels, and the convolution is
+    delegated. The same products and sums: results agree exactly."""
+    rewritten = 0
+    for node in list(graph_module.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.conv1d.default:
+            continue
+        args = arguments(node)
+        source = args["input"].meta.get("val")
+        if source is None or source.dim() != 3 or _dynamic_axes(source) < 2:
+            continue
+        edit = GraphEditor(graph_module.graph, node)
+        padding = args.get("padding", 0)
+        padding = padding if isinstance(padding, str) else [0, _as_list(padding, 1)[0]]
+        planar = edit.call(
+            aten.conv2d.default,
+            edit.call(aten.unsqueeze.default, args["input"], 2),
+            edit.call(aten.unsqueeze.default, args["weight"], 2),
+            args.get("bias"),
+            [1, _as_list(args.get("stride", 1), 1)[0]],
+            padding,
+            [1, _as_list(args.get("dilation", 1), 1)[0]],
+            args.get("groups", 1),
+        )
+        result = edit.call(aten.squeeze.dim, planar, 2)
+        node.replace_all_uses_with(result)
+        graph_module.graph.erase_node(node)
+        rewritten += 1
+    return rewritten
