@@ -193,7 +193,17 @@ def _generate(args: argparse.Namespace) -> int:
     if args.chat and args.prompt_ids is not None:
         raise ConfigError("--chat applies a chat template to --prompt text; token ids are taken as given")
     generator = load(args.export_dir, trust=args.trust_artifact)
-    if args.prompt_ids is not None:
+    if args.audio is not None:
+        if not Path(args.audio).is_file():
+            raise HfExportError(f"--audio {args.audio}: no such file")
+        result = generator.generate(
+            None, args.max_new_tokens, chat=args.chat, stream=lambda text: None, audio=args.audio
+        )
+        # a speech model's answer as token ids (model.generate's), then its text when the folder has a tokenizer
+        print(",".join(map(str, result.tokens)))
+        if result.text:
+            print(result.text)
+    elif args.prompt_ids is not None:
         try:
             prompt: Any = [int(token) for token in args.prompt_ids.split(",")]
         except ValueError as error:
@@ -359,6 +369,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text (tokenised with the export's tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    prompt.add_argument(
+        "--audio",
+        help="a PCM WAV file for a speech model (Whisper), through the export's feature extractor; prints the "
+        "token ids, then the text when the export has a tokenizer",
+    )
     generate.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to --prompt")
     generate.add_argument(
         "--max-new-tokens",

@@ -319,10 +319,13 @@ class TextGenerator:
         max_new_tokens: int | None = None,
         chat: bool = False,
         stream: Callable[[str], None] | None = None,
+        audio: Any = None,
     ) -> Generation:
         """Greedy generation until an EOS token or ``max_new_tokens`` (``None``: until the static
         cache is full); ``stream(text)`` receives the decoded text piece by piece as tokens come
-        (needs the tokenizer)."""
+        (needs the tokenizer). ``audio`` is refused: a decoder-only export takes text."""
+        if audio is not None:
+            raise HfExportError(f"{self.folder} holds a decoder-only text model, which takes no audio; give a prompt")
         prompt_ids = self.encode(prompt, chat)
         room = self.decoder.max_cache_len - prompt_ids.shape[1]
         if max_new_tokens is None:
@@ -366,9 +369,17 @@ class TextGenerator:
         return Generation(new, text, prompt_ids.shape[1], times[0] - started, times[-1] - times[0], stop)
 
 
-def load(folder: str | Path, trust: bool = False) -> TextGenerator:
-    """Open an export folder written with ``--generation`` (any target) for text generation:
-    ``hfexport.load(DIR).generate("What is the capital of France?", chat=True).text``.
+def load(folder: str | Path, trust: bool = False) -> Any:
+    """Open an export folder written with ``--generation`` (any target) for generation:
+    ``hfexport.load(DIR).generate("What is the capital of France?", chat=True).text``. A decoder-only
+    export gives a :class:`TextGenerator`; an encoder-decoder one (T5, Bart, Whisper: ``encoder``,
+    ``prefill`` and ``decode`` programs) an :class:`~hfexport.seq2seq.EncoderDecoderGenerator`,
+    whose ``generate`` also takes ``audio=`` (a WAV path) for a speech model.
     ``trust=True`` allows a program that runs code from its file when loaded (see
     :func:`~hfexport.load_exported_program`); hfexport's own exports never need it."""
+    from hfexport.seq2seq import EncoderDecoderGenerator, is_encoder_decoder_export
+    from hfexport.targets.manifest import Manifest
+
+    if is_encoder_decoder_export(Manifest.read(folder)):
+        return EncoderDecoderGenerator(folder, trust)
     return TextGenerator(folder, trust)

@@ -66,9 +66,25 @@ def _forward_parameters(module: torch.nn.Module) -> set[str]:
 
 
 def _clean(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Drop ``None`` values and call flags; keep what ``forward`` takes by name."""
+    """Drop ``None`` values and call flags; keep what ``forward`` takes by name. The encoder's
+    outputs become a plain tuple (see :func:`_plain_encoder_outputs`)."""
     named = _forward_parameters(module)
-    return {k: v for k, v in kwargs.items() if v is not None and k not in _DROPPED_FLAGS and k in named}
+    kept = {k: v for k, v in kwargs.items() if v is not None and k not in _DROPPED_FLAGS and k in named}
+    return _plain_encoder_outputs(kept)
+
+
+def _plain_encoder_outputs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """generate hands an encoder-decoder's prefill and decode ``encoder_outputs`` as a
+    ``ModelOutput``; a saved ``.pt2`` pickles its example inputs, and a ``ModelOutput`` is not
+    among what a weights-only load rebuilds, so loading the folder would need ``--trust-artifact``.
+    Every encoder-decoder forward takes a tuple there too (``encoder_outputs[0]`` is the last
+    hidden state): the program's input becomes ``encoder_outputs.0``."""
+    from transformers.utils import ModelOutput
+
+    outputs = kwargs.get("encoder_outputs")
+    if isinstance(outputs, ModelOutput):
+        kwargs = {**kwargs, "encoder_outputs": outputs.to_tuple()}
+    return kwargs
 
 
 def _with_attention_mask(kwargs: dict[str, Any], past: int) -> dict[str, Any]:

@@ -219,6 +219,11 @@ class ExportFolder:
 
     def decoder(self, batch_size: int = 1) -> Any:
         """The step function of the folder's static-cache ``decode`` for :func:`~hfexport.generation.greedy_decode`."""
+        if "encoder" in self.manifest.components:
+            raise HfExportError(
+                f"{self.folder} holds an encoder-decoder export (encoder, prefill, decode), which the decoder-only "
+                "step cannot run; generate with hfexport.load(DIR) (command line: hfexport generate DIR)"
+            )
         decode = self.manifest.component("decode")
         ids = next((i for i in decode.inputs if i.path == "input_ids"), None)
         if ids is not None and ids.dynamic and 1 not in ids.dynamic and ids.shape[1] == 1:

@@ -48,6 +48,18 @@ class Runner:
     def output_names(self) -> list[str]:
         return [o.name for o in self.spec.returned]
 
+    def by_path(self, outputs: list[Any]) -> dict[str, Any]:
+        """``outputs`` (the program's returned outputs, in its order) by keyword path; a write-back
+        under the path of the input it updates (so it wins over another output of that path)."""
+        returned = self.spec.returned
+        if len(outputs) != len(returned):
+            raise HfExportError(
+                f"the program returned {len(outputs)} outputs but its manifest lists {len(returned)}; export again"
+            )
+        found = {o.path: value for o, value in zip(returned, outputs, strict=True) if o.kind != "write_back"}
+        found.update({o.writes: value for o, value in zip(returned, outputs, strict=True) if o.kind == "write_back"})
+        return found
+
     def ordered(self, inputs: Any, state_given: bool = False) -> list[tuple[InputSpec, Any]]:
         """``(spec, value)`` for every fed input, in the program's order, each checked. An input the
         program keeps as its state is refused (the program would not read it), unless

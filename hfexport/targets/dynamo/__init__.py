@@ -25,7 +25,7 @@ from hfexport.targets.manifest import (
     program_inputs,
     program_outputs,
 )
-from hfexport.targets.runner import Runner
+from hfexport.targets.runner import Runner, flat_inputs
 from hfexport.versions import quiet_loggers
 
 # torch.export.load tries weights_only and falls back to full unpickling on failure
@@ -101,6 +101,7 @@ class DynamoRunner(Runner):
     def __init__(self, program: torch.export.ExportedProgram, spec: ComponentSpec) -> None:
         super().__init__(spec)
         self.module = program.module()
+        self.example_kwargs = program.example_inputs[1] if program.example_inputs else {}
 
     def run(self, inputs: dict[str, Any]) -> list[torch.Tensor]:
         """The output tensors, in the program's order."""
@@ -109,6 +110,27 @@ class DynamoRunner(Runner):
 
         with torch.no_grad():
             return flat_tensors(self.module(**copy_inputs(normalize_inputs(inputs, renames=True))))
+
+    def run_named(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The outputs by keyword path (see :meth:`~hfexport.targets.runner.Runner.by_path`), from
+        inputs given flat by keyword path (``cache.layers.0.keys``: the program's structure comes
+        from its example inputs). The program writes its in-place updates into the given tensors,
+        which are returned as the write-backs."""
+        import torch.utils._pytree as pytree
+
+        from hfexport.models.caches import register_cache_pytrees
+        from hfexport.pipeline.io_names import path_name
+
+        self.ordered(inputs)
+        register_cache_pytrees()
+        flat = flat_inputs(inputs)
+        leaves, spec = pytree.tree_flatten_with_path(self.example_kwargs)
+        values = [flat.get(path_name(path), leaf) for path, leaf in leaves]
+        with torch.no_grad():
+            outputs = self.module(**pytree.tree_unflatten(values, spec))
+        found = self.by_path(flat_tensors(outputs))
+        found.update({i.path: flat[i.path] for i in self.spec.inputs if i.written and i.path in flat})
+        return found
 
 
 class DynamoDecoder(StaticCacheDecoder):

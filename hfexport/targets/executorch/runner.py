@@ -118,6 +118,11 @@ class ExecutorchRunner(Runner):
         :meth:`~hfexport.targets.runner.Runner.ordered` for ``state_given``."""
         return list(self.execute(self.tensors(inputs, state_given)))
 
+    def run_named(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The outputs by keyword path (see :meth:`~hfexport.targets.runner.Runner.by_path`); what
+        the program keeps as its state stays inside and is neither fed nor returned."""
+        return self.by_path(self.run(inputs, state_given=True))
+
     def tensors(self, inputs: dict[str, Any], state_given: bool = False) -> list[Any]:
         """The method's inputs, in its order, from the model's keyword inputs (checked; the runtime
         takes contiguous tensors only)."""

@@ -112,6 +112,15 @@ class OnnxRunner(Runner):
             outputs = [o for name, o in zip(names, outputs, strict=True) if name not in self.scalar_outputs]
         return outputs
 
+    def run_named(self, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The outputs as tensors by keyword path (see :meth:`~hfexport.targets.runner.Runner.by_path`)."""
+        outputs = self.session.run(None, self.feed(inputs))
+        order = [o.name for o in self.session.get_outputs()]
+        by_name = {o.name: o for o in self.spec.returned}
+        if [o.name for o in self.spec.returned] != order and set(order) == set(by_name):
+            outputs = [outputs[order.index(o.name)] for o in self.spec.returned]
+        return self.by_path([torch.from_numpy(np.asarray(o)) for o in outputs])
+
     def run_dict(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The outputs by name."""
         names = [o.name for o in self.session.get_outputs()]
