@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hfexport-installed
 DEMO_OUT := out/demo
 
-.PHONY: demo test test-all lint install clean
+.PHONY: demo test test-all lint install clean coverage
 
 install: $(STAMP)
 
@@ -33,6 +33,12 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# every transformers model type as a tiny random model, exported to every target (resumable: the
+# (type, target) pairs already in benchmarks/results/coverage/coverage.jsonl are skipped);
+# COVERAGE_ARGS="--only llama,bert --targets dynamo" narrows it
+coverage: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/coverage.py --jobs 1 --timeout 180 $(COVERAGE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfexport tests benchmarks

@@ -1,0 +1,508 @@
+"""Coverage sweep: every transformers model type, as a tiny random model, exported to every target.
+
+For each model type of ``transformers.CONFIG_MAPPING``: build the tiny model
+(:func:`hfexport.models.tiny.build_tiny`), run it eagerly on :func:`config_sample_inputs` at two
+shapes; where eager runs, export it with each target's default config plus ``dynamic=True`` (one
+shared capture through ``run_targets``, each target alone when that fails), save the export
+folder, run it on its raw runtime through ``ExportFolder(folder).runner()`` on both shapes and
+compare the main output (the first output tensor) with eager: pass at 1e-4 (dynamo) or 1e-3 (onnx,
+executorch). transformers' own exporters (``transformers.exporters``, ``dynamic=True``) run in the
+same case process for comparison (this benchmark may import them; the hfexport package never does).
+
+One process per case (forked from a parent that imported the stack once), killed after
+``--timeout`` seconds; results are JSONL lines ``{"type", "target", "status", ...}`` in
+``benchmarks/results/coverage/coverage.jsonl``; a (type, target) pair already there is skipped, so
+the sweep resumes. ``--report`` (also done at the end of every run) writes ``docs/coverage.md``.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/coverage.py --targets dynamo --jobs 1 --timeout 120
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/coverage.py --only llama,bert,vit --targets onnx,executorch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the work tree's hfexport, not an installed copy
+
+RESULTS = ROOT / "benchmarks" / "results" / "coverage" / "coverage.jsonl"
+DOC = ROOT / "docs" / "coverage.md"
+TARGETS = ("dynamo", "onnx", "executorch")
+TOLERANCE = {"dynamo": 1e-4, "onnx": 1e-3, "executorch": 1e-3}
+SECOND_SHAPE = (3, 12)  # (batch, seq) of the second sample; the first is (2, 8)
+KINDS = ("decoder LM", "encoder", "encoder-decoder", "vision", "audio", "multimodal", "SSM / hybrid", "other")
+
+
+def cause(error: BaseException) -> str:
+    """One line: the exception type and the first line of its message."""
+    message = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {message[0][:300] if message else ''}".strip()
+
+
+def flat_tensors(value: Any) -> list:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in flat_tensors(item)]
+    return []
+
+
+def max_diff(expected: Any, got: Any) -> float:
+    import torch
+
+    expected, got = torch.as_tensor(expected).float(), torch.as_tensor(got).float()
+    if expected.shape != got.shape:
+        raise ValueError(f"output shape {tuple(got.shape)} differs from eager's {tuple(expected.shape)}")
+    if expected.numel() == 0:
+        return 0.0
+    return float((expected - got).abs().max())
+
+
+def compare(target: str, eager: list, got: list) -> dict[str, Any]:
+    if not got:
+        return {"status": "fail", "cause": "the program returned no tensor"}
+    diff = max_diff(eager[0], got[0])
+    ok = diff <= TOLERANCE[target]
+    return {"status": "pass" if ok else "mismatch", "diff": diff}
+
+
+# ------------------------------------------------------------------------------------------- case
+
+
+def run_case(model_type: str, targets: list[str], transformers_targets: list[str], out: Any) -> None:
+    """In the case process: put one dict per finished (type, target) on ``out``."""
+    import torch
+
+    torch.manual_seed(0)
+    from hfexport.models.samples import config_sample_inputs
+    from hfexport.models.tiny import build_tiny, model_class, model_kind
+
+    record: dict[str, Any] = {"type": model_type, "target": "eager"}
+    try:
+        task, cls = model_class(model_type)
+        record.update(task=task, cls=cls.__name__)
+    except Exception as error:
+        out.put({**record, "status": "no_class", "cause": cause(error)})
+        return
+    start = time.perf_counter()
+    try:
+        model = build_tiny(model_type)
+    except Exception as error:
+        out.put({**record, "status": "build_error", "cause": cause(error)})
+        return
+    record["kind"] = model_kind(model, task)
+    try:
+        inputs = config_sample_inputs(model)
+        second = config_sample_inputs(model, *SECOND_SHAPE, seed=1)
+        record["inputs"] = {k: list(v.shape) for k, v in inputs.items()}
+        with torch.no_grad():
+            eager = [t.detach().clone() for t in flat_tensors(model(**inputs))]
+            eager2 = [t.detach().clone() for t in flat_tensors(model(**second))]
+        if not eager:
+            raise TypeError("the model returned no tensor")
+    except Exception as error:
+        out.put({**record, "status": "eager_error", "cause": cause(error)})
+        return
+    out.put({**record, "status": "ok", "seconds": round(time.perf_counter() - start, 2)})
+    base = {"type": model_type, "kind": record["kind"], "cls": record["cls"]}
+    if targets:
+        hfexport_targets(model, inputs, second, eager, eager2, targets, base, out)
+    for target in transformers_targets:
+        out.put(
+            {
+                **base,
+                "target": f"transformers:{target}",
+                **transformers_case(model, inputs, second, eager, eager2, target),
+            }
+        )
+    generation_case(model, inputs, base, out)
+
+
+def hfexport_targets(model, inputs, second, eager, eager2, targets, base, out) -> None:
+    import hfexport
+    from hfexport import DynamoConfig, ExecutorchConfig, OnnxConfig
+    from hfexport.exporters import run_targets
+
+    config_class = {"dynamo": DynamoConfig, "onnx": OnnxConfig, "executorch": ExecutorchConfig}
+    configs = {t: config_class[t](dynamic=True) for t in targets}
+    results: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    start = time.perf_counter()
+    try:
+        results = run_targets(model, inputs, list(configs.values()))
+        shared = time.perf_counter() - start
+    except Exception:
+        shared = None
+        for target, config in configs.items():  # one at a time: whose failure is it
+            try:
+                results.update(run_targets(model, inputs, [config]))
+            except Exception as error:
+                errors[target] = cause(error)
+    for target in targets:
+        record = {**base, "target": target, "shared_capture": shared is not None}
+        if target in errors:
+            out.put({**record, "status": "export_error", "cause": errors[target]})
+            continue
+        try:
+            with tempfile.TemporaryDirectory() as folder:
+                hfexport.save_export(folder, {"model": results[target]})
+                runner = hfexport.ExportFolder(folder).runner()
+                first = compare(target, eager, runner.run(inputs))
+                record.update(diff=first.get("diff"))
+                try:
+                    again = compare(target, eager2, runner.run(second))
+                    record.update(diff2=again.get("diff"))
+                except Exception as error:
+                    again = {"status": "second_shape_error", "cause": cause(error)}
+                status = first["status"] if first["status"] != "pass" else again["status"]
+                record.update(status=status)
+                if "cause" in again and status != "pass":
+                    record["cause"] = again["cause"]
+        except Exception as error:
+            record.update(status="run_error", cause=cause(error))
+        out.put(record)
+
+
+def transformers_case(model, inputs, second, eager, eager2, target: str) -> dict[str, Any]:
+    """transformers' own exporter on the same model and samples, for comparison."""
+    try:
+        from transformers import exporters as tx
+
+        exporter = {"dynamo": tx.DynamoExporter, "onnx": tx.OnnxExporter, "executorch": tx.ExecutorchExporter}[target]
+        config = {"dynamo": tx.DynamoConfig, "onnx": tx.OnnxConfig, "executorch": tx.ExecutorchConfig}[target]
+        exported = exporter().export(model, dict(inputs), config(dynamic=True))
+    except Exception as error:
+        return {"status": "export_error", "cause": cause(error)}
+    try:
+        first = compare(target, eager, flat_tensors(exported(**inputs)))
+        try:
+            again = compare(target, eager2, flat_tensors(exported(**second)))
+        except Exception as error:
+            again = {"status": "second_shape_error", "cause": cause(error)}
+        status = first["status"] if first["status"] != "pass" else again["status"]
+        found = {"status": status, "diff": first.get("diff"), "diff2": again.get("diff")}
+        if "cause" in again and status != "pass":
+            found["cause"] = again["cause"]
+        return found
+    except Exception as error:
+        return {"status": "run_error", "cause": cause(error)}
+
+
+def generation_case(model, inputs, base, out) -> None:
+    """Hook for the generation half of the sweep (not run yet): for a generative model,
+    ``export_for_generation`` to each target and greedy decoding through hfexport's decoders
+    against ``model.generate``, one record per target as ``{"target": "generate:<target>", ...}``."""
+    return None
+
+
+def _case_entry(model_type, targets, transformers_targets, out) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        run_case(model_type, targets, transformers_targets, out)
+    except BaseException as error:  # the parent records a crash of the case itself
+        out.put({"type": model_type, "target": "case", "status": "crash", "cause": cause(error)})
+        traceback.print_exc()
+
+
+# ------------------------------------------------------------------------------------------- sweep
+
+
+def load_results(path: Path = RESULTS) -> dict[tuple[str, str], dict]:
+    found: dict[tuple[str, str], dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                found[(row["type"], row["target"])] = row
+    return found
+
+
+def pending_targets(model_type: str, done: dict, wanted: list[str]) -> list[str] | None:
+    """The targets of ``wanted`` still to run for ``model_type``; ``None`` when nothing is left
+    (its eager record says it cannot run, or every target is done)."""
+    eager = done.get((model_type, "eager"))
+    if eager is not None and eager["status"] != "ok":
+        return None
+    left = [t for t in wanted if (model_type, t) not in done]
+    return left if left or eager is None else None
+
+
+def run_one(model_type: str, targets: list[str], timeout: float) -> list[dict]:
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    plain = [t for t in targets if ":" not in t]
+    theirs = [t.split(":", 1)[1] for t in targets if t.startswith("transformers:")]
+    process = context.Process(target=_case_entry, args=(model_type, plain, theirs, out), daemon=True)
+    start = time.perf_counter()
+    process.start()
+    rows: list[dict] = []
+    while True:
+        try:
+            rows.append(out.get(timeout=0.5))
+            continue
+        except queue.Empty:
+            pass
+        if not process.is_alive():
+            while True:
+                try:
+                    rows.append(out.get_nowait())
+                except queue.Empty:
+                    break
+            break
+        if time.perf_counter() - start > timeout:
+            process.kill()
+            process.join()
+            done = {r["target"] for r in rows}
+            eager = next((r for r in rows if r["target"] == "eager"), None)
+            if eager is None:
+                rows.append(
+                    {"type": model_type, "target": "eager", "status": "timeout", "cause": f"timeout ({timeout:.0f} s)"}
+                )
+            elif eager["status"] == "ok":
+                for target in targets:
+                    if target not in done:
+                        rows.append(
+                            {
+                                "type": model_type,
+                                "target": target,
+                                "kind": eager.get("kind"),
+                                "cls": eager.get("cls"),
+                                "status": "timeout",
+                                "cause": f"timeout ({timeout:.0f} s)",
+                            }
+                        )
+            break
+    process.join(5)
+    if process.exitcode not in (0, None, -9) and not any(r["target"] == "eager" for r in rows):
+        rows.append(
+            {
+                "type": model_type,
+                "target": "eager",
+                "status": "crash",
+                "cause": f"the case process died (exit {process.exitcode})",
+            }
+        )
+    return rows
+
+
+def sweep(args: argparse.Namespace) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import transformers
+
+    types = list(transformers.CONFIG_MAPPING.keys())
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - set(types))
+        if unknown:
+            raise SystemExit(f"unknown model types: {', '.join(unknown)}")
+        types = wanted
+    targets = [t for t in args.targets.split(",") if t]
+    if args.transformers:
+        targets += [f"transformers:{t}" for t in args.targets.split(",") if t]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    done = load_results()
+    todo = [(t, left) for t in types if (left := pending_targets(t, done, targets)) is not None]
+    if args.shuffle:  # a spread over every kind first, when a run cannot cover every type
+        import random
+
+        random.Random(0).shuffle(todo)
+    if args.limit:
+        todo = todo[: args.limit]
+    print(
+        f"{len(todo)} model types to run ({len(types) - len(todo)} done or skipped), targets {','.join(targets)}",
+        flush=True,
+    )
+
+    def one(index_item):
+        index, (model_type, left) = index_item
+        start = time.perf_counter()
+        rows = run_one(model_type, left, args.timeout)
+        with RESULTS.open("a") as handle:
+            for row in rows:
+                handle.write(json.dumps(row) + "\n")
+        summary = " ".join(f"{r['target']}={r['status']}" for r in rows)
+        eager = next((r for r in rows if r["target"] == "eager"), {})
+        why = next((r.get("cause") for r in rows if r["status"] not in ("ok", "pass") and r.get("cause")), "")
+        print(
+            f"[{index + 1}/{len(todo)}] {model_type} ({eager.get('cls', '?')}) {summary} "
+            f"{time.perf_counter() - start:.1f}s {why[:120]}",
+            flush=True,
+        )
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(one, enumerate(todo)))
+    write_report()
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+def write_report(path: Path = DOC) -> None:
+    """``docs/coverage.md`` from the JSONL: totals per target and per kind, one table per kind."""
+    rows = load_results()
+    eager = {t: r for (t, target), r in rows.items() if target == "eager"}
+    runs = [t for t, r in eager.items() if r["status"] == "ok"]
+    columns = [c for c in (*TARGETS, *(f"transformers:{t}" for t in TARGETS)) if any((t, c) in rows for t in runs)]
+    status_count = defaultdict(int)
+    for r in eager.values():
+        status_count[r["status"]] += 1
+    lines = [
+        "# Coverage: every transformers model type, tiny and random, on every target",
+        "",
+        "Written by `make coverage` (`benchmarks/coverage.py`) from `benchmarks/results/coverage/coverage.jsonl`.",
+        "Each model type of transformers' `CONFIG_MAPPING` is built as a tiny random model from its config's",
+        "defaults (`hfexport.models.tiny`), run eagerly on generic inputs (`hfexport.models.samples`) at two",
+        "shapes (batch 2 x 8 tokens, 3 x 12), exported with each target's defaults plus `dynamic=True`, run on",
+        "its raw runtime on both shapes and compared with eager on the main output (pass: max abs diff within",
+        "1e-4 on Dynamo, 1e-3 on ONNX / ExecuTorch). The `transformers:` columns run transformers' own",
+        "exporters (`dynamic=True`) on the same model and inputs in the same process, for comparison.",
+        "",
+        f"Model types: {len(eager)} run; eager: "
+        + ", ".join(f"{n} {s}" for s, n in sorted(status_count.items(), key=lambda kv: -kv[1]))
+        + " (no_class: a sub-config with no model class of its own).",
+        "",
+        "## Totals (of the types whose tiny model runs eagerly and that the target was run on)",
+        "",
+        "| kind | types | " + " | ".join(columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    by_kind: dict[str, list[str]] = defaultdict(list)
+    for t in runs:
+        by_kind[eager[t].get("kind") or "other"].append(t)
+
+    def total(types: list[str], column: str) -> str:
+        ran = [rows[(t, column)] for t in types if (t, column) in rows]
+        if not ran:
+            return "–"
+        passed = sum(r["status"] == "pass" for r in ran)
+        return f"{passed}/{len(ran)} ({100 * passed / len(ran):.0f}%)"
+
+    for kind in KINDS:
+        if by_kind.get(kind):
+            lines.append(
+                f"| {kind} | {len(by_kind[kind])} | " + " | ".join(total(by_kind[kind], c) for c in columns) + " |"
+            )
+    lines.append(f"| **all** | {len(runs)} | " + " | ".join(f"**{total(runs, c)}**" for c in columns) + " |")
+    lines += ["", "## Failure classes", ""]
+    for column in columns:
+        classes: dict[str, list[str]] = defaultdict(list)
+        for t in runs:
+            r = rows.get((t, column))
+            if r and r["status"] != "pass":
+                classes[_failure_class(r)].append(t)
+        if classes:
+            lines += [f"### {column}", "", "| cause | count | types |", "|---|---|---|"]
+            for why, types in sorted(classes.items(), key=lambda kv: -len(kv[1])):
+                more = " …" if len(types) > 8 else ""
+                lines.append(f"| {_cell(why, 160)} | {len(types)} | {', '.join(sorted(types)[:8])}{more} |")
+            lines.append("")
+    for kind in KINDS:
+        types = sorted(by_kind.get(kind, []))
+        if not types:
+            continue
+        lines += [
+            f"## {kind}",
+            "",
+            "| type | class | " + " | ".join(columns) + " |",
+            "|---|---|" + "---|" * len(columns),
+        ]
+        for t in types:
+            cells = [_status_cell(rows.get((t, c))) for c in columns]
+            lines.append(f"| {t} | {eager[t].get('cls', '')} | " + " | ".join(cells) + " |")
+        lines.append("")
+    failed = sorted(t for t, r in eager.items() if r["status"] not in ("ok", "no_class"))
+    if failed:
+        lines += [
+            "## Not run: the tiny model does not build or run eagerly",
+            "",
+            "| type | status | cause |",
+            "|---|---|---|",
+        ]
+        for t in failed:
+            lines.append(f"| {t} | {eager[t]['status']} | {_cell(eager[t].get('cause', ''), 200)} |")
+        lines.append("")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _failure_class(row: dict) -> str:
+    if row["status"] == "mismatch":
+        return "mismatch: max abs diff above the tolerance"
+    why = row.get("cause") or row["status"]
+    # numbers and names vary between types: the class is the message up to its first specific detail
+    import re
+
+    return re.sub(r"\d+", "N", why)[:140]
+
+
+def _status_cell(row: dict | None) -> str:
+    if row is None:
+        return "–"
+    if row["status"] == "pass":
+        return "pass"
+    if row["status"] == "mismatch":
+        return f"mismatch {row.get('diff') or 0:.1e}/{row.get('diff2') or 0:.1e}"
+    return f"{row['status']}: {_cell(row.get('cause', ''), 100)}"
+
+
+def _cell(text: str, limit: int) -> str:
+    text = text.replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default="dynamo,onnx,executorch", help="comma-separated: dynamo,onnx,executorch")
+    parser.add_argument("--only", default="", help="comma-separated model types (default: every registered type)")
+    parser.add_argument("--jobs", type=int, default=1, help="cases run at the same time")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per case")
+    parser.add_argument("--limit", type=int, default=0, help="run at most this many types")
+    parser.add_argument("--shuffle", action="store_true", help="run the types in a fixed shuffled order")
+    parser.add_argument(
+        "--no-transformers",
+        dest="transformers",
+        action="store_false",
+        help="skip transformers' own exporters (run by default for comparison)",
+    )
+    parser.add_argument("--report", action="store_true", help="only rewrite docs/coverage.md from the JSONL")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.report:
+        write_report()
+        print(f"wrote {DOC.relative_to(ROOT)}")
+        return
+    import torch  # imported once here, inherited by every forked case
+    import transformers
+
+    import hfexport
+    import hfexport.models.samples
+    import hfexport.models.tiny  # noqa: F401
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    sweep(args)
+    print(f"wrote {RESULTS.relative_to(ROOT)} and {DOC.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
