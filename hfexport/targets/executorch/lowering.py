@@ -590,13 +590,10 @@ def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
     memory (``planned_memory_mb``) and raises :class:`ConfigError` when it exceeds the budget
     (``max_planned_memory_mb``), naming the bounds that set it."""
     from executorch.exir import ExecutorchBackendConfig
-    from executorch.exir.passes import MemoryPlanningPass
 
-    planning = MemoryPlanningPass(
-        alloc_graph_input=config.alloc_graph_input,
-        alloc_graph_output=config.alloc_graph_output,
-        alloc_mutable_buffers=config.alloc_mutable_buffers,
-    )
+    from hfexport.targets.executorch.memory_planning import planning_pass
+
+    planning = planning_pass(config.alloc_graph_input, config.alloc_graph_output, config.alloc_mutable_buffers)
     with warnings.catch_warnings():
         # "buffers that are mutated ... have a meaningless initial state": ours carry one (et_init_buffer)
         warnings.filterwarnings("ignore", message="Mutation on a buffer in the model is detected")
