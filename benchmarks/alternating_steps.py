@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from hfexport.presets import model_folder
+from hfexport.models.loading import model_folder
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode import TEACHER_FORCED_QUESTION, batch1_decoder, prompt_ids  # decode.py's chat prompt and loader

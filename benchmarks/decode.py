@@ -62,7 +62,8 @@ import torch
 
 from hfexport import AutoExportConfig, ExportFolder
 from hfexport.generation import greedy_decode
-from hfexport.presets import PRESETS, load_model, model_folder
+from hfexport.models.loading import load_model, model_folder
+from hfexport.presets import PRESETS
 from hfexport.targets.onnx import OnnxDecoder
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -15,6 +15,7 @@ own dependencies, a llama.cpp build and sentence-transformers, are not needed) a
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -67,13 +68,27 @@ def checkpoint_folder(name: str, cache: str | Path | None = None) -> Path:
     source = _package_folder(checkpoint)
     if checkpoint.gguf_file is None:
         return source
-    folder = Path(cache or cache_dir()) / "checkpoints" / name
+    return _converted(source / checkpoint.gguf_file, Path(cache or cache_dir()) / "checkpoints" / name)
+
+
+def gguf_folder(path: str | Path, cache: str | Path | None = None) -> Path:
+    """A local checkpoint folder converted once from the GGUF file ``path`` (kept in ``cache``,
+    under a name that changes with the file's path, size and modification time)."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such GGUF file")
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return _converted(path, Path(cache or cache_dir()) / "gguf" / f"{path.stem}-{key}")
+
+
+def _converted(gguf_path: Path, folder: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=folder.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        _convert_gguf(source, checkpoint.gguf_file, staging)
+        _convert_gguf(gguf_path.parent, gguf_path.name, staging)
         staging.rename(folder)
     except FileExistsError:
         shutil.rmtree(staging, ignore_errors=True)  # another process converted it meanwhile

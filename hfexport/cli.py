@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hfexport.errors import ConfigError, HfExportError
+from hfexport.models.tasks import TASKS
 from hfexport.targets import target_names
 from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
 
@@ -33,11 +34,12 @@ def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
     for export_format in formats:
         values = dict(settings.get(export_format, {}) if sectioned else settings)
         values["export_format"] = export_format
-        for key in ("dynamic", "verify"):
-            if getattr(args, key):
-                values[key] = True
-        if args.generation and "dynamic_shapes" not in values:
-            # the decode graph must take any query length (a whole prompt, then one token)
+        if args.verify:
+            values["verify"] = True
+        if args.static:
+            values["dynamic"] = False
+        elif "dynamic_shapes" not in values and ("dynamic" not in values or args.dynamic or args.generation):
+            # dynamic by default; the decode graph must take any query length (a prompt, then one token)
             values["dynamic"] = True
         if args.passes is not None:
             values["passes"] = args.passes
@@ -128,7 +130,9 @@ def _export(args: argparse.Namespace) -> int:
     from hfexport.exporters import run_for_generation, run_targets
     from hfexport.pipeline.instruments import ProgressInstrument
     from hfexport.pipeline.pipeline import stage_table
-    from hfexport.presets import load_model, model_folder, sample_inputs
+    from hfexport.models.loading import load_model, model_folder
+    from hfexport.models.processor_inputs import sample_inputs_for
+    from hfexport.models.tasks import infer_task
     from hfexport.targets import save_export
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
@@ -141,9 +145,16 @@ def _export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     folders = {f: out if len(formats) == 1 else out / f for f in formats}
     clear_out(out, list(folders.values()), args.overwrite)
+    if args.static and args.generation:
+        raise ConfigError("--generation exports a decode graph that takes any prompt length; drop --static")
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    model = load_model(args.model)
-    inputs = sample_inputs(model, args.batch, args.seq)
+    model = load_model(args.model, args.task, args.trust_remote_code)
+    source = model_folder(args.model)
+    task = args.task or infer_task(model.config)
+    inputs = sample_inputs_for(model, source, task, args.batch, args.seq, text_from_config=args.generation)
+    print(f"task {task}; sample inputs: {_shapes(inputs)}", file=sys.stderr, flush=True)
+    if not any(getattr(config, "dynamic", False) or config.dynamic_shapes for config in configs):
+        print(f"static shapes: the program takes exactly {_shapes(inputs)}", file=sys.stderr, flush=True)
     progress = (ProgressInstrument(),)
     if args.generation:
         from transformers import GenerationConfig
@@ -172,7 +183,7 @@ def _export(args: argparse.Namespace) -> int:
             query = decode.captured.sample_shapes.get("input_ids", [0, 1])[1] if decode else 1
             generation = {"max_cache_len": args.max_cache_len, "multi_token_decode": query > 1}
             Interrupts.check()
-            manifest = save_export(folder, results, generation=generation, model_folder=model_folder(args.model))
+            manifest = save_export(folder, results, generation=generation, model_folder=source)
             for spec in manifest.components.values():
                 print(f"wrote {folder / spec.file}")
         return 0
@@ -180,11 +191,19 @@ def _export(args: argparse.Namespace) -> int:
     for config in configs:
         folder, result = folders[config.export_format], results[config.export_format]
         Interrupts.check()
-        manifest = save_export(folder, {"model": result}, model_folder=model_folder(args.model))
+        manifest = save_export(folder, {"model": result}, model_folder=source)
         print(stage_table(result.records))
         dumps = f"; dumps and report.md in {config.dump_dir}" if config.dump_dir else ""
         print(f"\nwrote {folder / manifest.components['model'].file}{dumps}")
     return 0
+
+
+def _shapes(inputs: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{name} {list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        for name, value in inputs.items()
+        if hasattr(value, "shape")
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -314,7 +333,23 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     export = commands.add_parser("export", help="export a model (a built-in tiny preset or a local folder)")
-    export.add_argument("model", help="a preset (tiny-llama, tiny-qwen3, ...) or a folder written by save_pretrained")
+    export.add_argument(
+        "model",
+        help="a preset (tiny-llama, tiny-qwen3, ...), a packaged checkpoint (smollm2-135m-instruct, "
+        "all-minilm-l6-v2), a folder written by save_pretrained, or a .gguf file",
+    )
+    export.add_argument(
+        "--task",
+        choices=list(TASKS),
+        metavar="TASK",
+        help="what the model is exported for, which picks its class and sample inputs (default: inferred from "
+        f"the checkpoint's architectures); one of {', '.join(TASKS)}",
+    )
+    export.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="load a checkpoint that holds its own model code (auto_map), which runs when loaded",
+    )
     export.add_argument(
         "--format",
         default="dynamo",
@@ -323,7 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--out", required=True, help="output folder (the artifact and hfexport.json; one sub-folder per target)"
     )
-    export.add_argument("--dynamic", action="store_true", help="mark every input axis dynamic")
+    shapes = export.add_mutually_exclusive_group()
+    shapes.add_argument("--dynamic", action="store_true", help="mark every input axis dynamic (the default)")
+    shapes.add_argument(
+        "--static", action="store_true", help="fix every input axis to the sample's shape (printed by the export)"
+    )
     export.add_argument("--passes", help="comma-separated FX pass list replacing the backend default ('' for none)")
     export.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE", help=IMPORT_HELP)
     export.add_argument("--dump-dir", help="write per-stage / per-pass dumps and report.md here")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,46 +85,3 @@ def sample_inputs(model: torch.nn.Module, batch: int = 2, seq: int = 8, seed: in
         "input_ids": torch.randint(0, vocab, (batch, seq), generator=generator),
         "attention_mask": torch.ones(batch, seq, dtype=torch.long),
     }
-
-
-def model_folder(name_or_path: str) -> Path | None:
-    """The checkpoint folder :func:`load_model` reads ``name_or_path`` from (``None`` for a preset)."""
-    from hfexport.checkpoints import CHECKPOINTS, checkpoint_folder
-
-    if name_or_path in PRESETS:
-        return None
-    return checkpoint_folder(name_or_path) if name_or_path in CHECKPOINTS else Path(name_or_path)
-
-
-def load_model(name_or_path: str) -> torch.nn.Module:
-    """A preset by name, a packaged real checkpoint by name (:mod:`hfexport.checkpoints`), or a
-    saved transformers model from a local folder (its config's ``architectures`` picks the class)."""
-    from hfexport.checkpoints import CHECKPOINTS
-
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path].build()
-    folder = model_folder(name_or_path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}), a packaged checkpoint "
-            f"({', '.join(CHECKPOINTS)}) nor a folder holding a saved transformers model "
-            "(config.json + weights, as written by save_pretrained)"
-        )
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(folder)
-    architecture = (config.architectures or [None])[0]
-    model_class: Callable[..., Any] = getattr(transformers, architecture, None) if architecture else None
-    if model_class is None:
-        model_class = transformers.AutoModel
-    # the command line prints one line per step: transformers' "Loading weights" bar would land
-    # between them (its own switch, restored after)
-    from transformers.utils import logging as transformers_logging
-
-    shown = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
-        return model_class.from_pretrained(folder, attn_implementation="sdpa").eval()
-    finally:
-        if shown:
-            transformers_logging.enable_progress_bar()

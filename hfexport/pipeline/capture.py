@@ -467,22 +467,32 @@ def capture(
         program.example_inputs = ((), copy_inputs(inputs))
     check_kwargs_inputs_used(model, program, inputs)
     table = input_axes(program, inputs, dynamic_shapes)
+    _warn_fixed_axes(table)
+    return Captured(program, table, bounds, frontend.attention_windows(inputs), batch_widened=widened is not None)
+
+
+def _warn_fixed_axes(table: list[Any]) -> None:
+    """One warning per input whose axes were asked to be dynamic and came out fixed, saying why."""
+    fixed: dict[str, list[Any]] = {}
     for row in table:
         if row.requested_dynamic and not row.dynamic:
-            why = (
-                "torch.export fixes axes of size 0 and 1: export from a sample where this axis is larger than 1"
-                if row.size <= 1
-                else "the model's code fixed it while tracing (a Python branch or loop over its size, such as "
-                "Mamba's sequential scan); TORCH_LOGS=+dynamic shows where"
-            )
-            logger.warning(
-                "input %r axis %d was asked to be dynamic but the program only accepts its sample size %d: %s",
-                row.input,
-                row.axis,
-                row.size,
-                why,
-            )
-    return Captured(program, table, bounds, frontend.attention_windows(inputs), batch_widened=widened is not None)
+            fixed.setdefault(row.input, []).append(row)
+    for name, rows in fixed.items():
+        why = (
+            "torch.export fixes axes of size 0 and 1: export from a sample where each is larger than 1"
+            if all(row.size <= 1 for row in rows)
+            else "the model's code fixed them while tracing (a size it checks or a Python loop over a size, such "
+            "as Mamba's sequential scan); TORCH_LOGS=+dynamic shows where"
+        )
+        axes = ", ".join(str(row.axis) for row in rows)
+        sizes = ", ".join(str(row.size) for row in rows)
+        logger.warning(
+            "input %r: axes %s were asked to be dynamic, but the program takes only the sample's sizes %s: %s",
+            name,
+            axes,
+            sizes,
+            why,
+        )
 
 
 class _DropSpecialisationLines(logging.Filter):
