@@ -36,6 +36,7 @@ class _Attention:
     scale: float
     mask: Any  # the boolean graph input [batch, 1, tokens, cache_len] the bias is made from
     guarded: bool  # fully masked rows are zeroed after (zero_fully_masked_attention_rows)
+    dtype: Any  # the attention's float type (onnx_ir DataType: FLOAT or FLOAT16)
     output: Any  # [batch, tokens, heads * head_dim]
     last: Any  # the node computing ``output``
     heads: int
@@ -189,7 +190,9 @@ def _static_cache_attention(softmax: Any, graph_inputs: set[Any]) -> _Attention 
         return None
     values = _cache_write(mixed.inputs[1], graph_inputs)
     written = _written_from(keys.index) if values is not None and values.index is keys.index else None
-    mask = _mask_under(add.inputs[1], graph_inputs)
+    bias = add.inputs[1]
+    cast = _producer(bias, "Cast")  # a half-precision model's bias: made in float32, cast to its dtype
+    mask = _mask_under(cast.inputs[0] if cast is not None else bias, graph_inputs)
     output = _output_of(mixed.outputs[0])
     if written is None or mask is None or output is None:
         return None
@@ -205,8 +208,9 @@ def _static_cache_attention(softmax: Any, graph_inputs: set[Any]) -> _Attention 
         return None
     if grouped is not None and grouped.outputs[0].shape[1] != kv_heads:
         return None
-    # float32 only: the form the pass is tested on (a float16 graph keeps its attention)
-    if mask.shape[3] != cache_len or any(x.dtype != ir.DataType.FLOAT for x in (q[0], k[0], v[0], keys.cache)):
+    # ONNX Runtime's CPU kernel runs float32 and float16 (not bfloat16)
+    dtypes = {x.dtype for x in (q[0], k[0], v[0], keys.cache, bias)}
+    if mask.shape[3] != cache_len or len(dtypes) != 1 or not dtypes <= {ir.DataType.FLOAT, ir.DataType.FLOAT16}:
         return None
     return _Attention(
         query=q[0],
@@ -221,6 +225,7 @@ def _static_cache_attention(softmax: Any, graph_inputs: set[Any]) -> _Attention 
         scale=float(scale.reshape(-1)[0]),
         mask=mask,
         guarded=output[2],
+        dtype=dtypes.pop(),
         output=output[0],
         last=output[1],
         heads=heads,
@@ -235,7 +240,7 @@ class _Nodes:
         self.graph = graph
         self.added: list[Any] = []
         self.constants: dict[str, Any] = {}
-        self.biases: dict[Any, tuple[Any, Any, Any]] = {}
+        self.biases: dict[tuple[Any, Any], tuple[Any, Any, Any]] = {}
         self.query_lengths: dict[tuple[Any, Any], tuple[Any, Any]] = {}
 
     def op(self, op_type: str, inputs: list[Any], domain: str = "", outputs: int = 1, **attributes: Any) -> Any:
@@ -253,20 +258,22 @@ class _Nodes:
             self.graph.register_initializer(self.constants[name])
         return self.constants[name]
 
-    def bias(self, mask: Any) -> tuple[Any, Any, Any]:
+    def bias(self, mask: Any, dtype: Any) -> tuple[Any, Any, Any]:
         """``(where(mask, 0, lowest), whether each query row sees a key [batch, tokens, 1], the
-        batch size [1])``, made once per mask."""
+        batch size [1])`` in ``dtype`` (the op takes its bias in the query's type), made once per
+        mask and dtype."""
         import numpy as np
-        import onnx_ir as ir
 
-        if mask not in self.biases:
-            lowest = self.constant("lowest", np.array(np.finfo(np.float32).min, np.float32))
-            bias = self.op("Where", [mask, self.constant("zero", np.array(0.0, np.float32)), lowest])
-            as_float = self.op("Cast", [mask], to=ir.DataType.FLOAT)
+        if (mask, dtype) not in self.biases:
+            numpy_type = dtype.numpy().type
+            name = numpy_type.__name__
+            lowest = self.constant(f"lowest_{name}", np.array(np.finfo(numpy_type).min, numpy_type))
+            bias = self.op("Where", [mask, self.constant(f"zero_{name}", np.array(0.0, numpy_type)), lowest])
+            as_float = self.op("Cast", [mask], to=dtype)
             sees = self.op("ReduceMax", [as_float, self.constant("last_axis", np.array([3], np.int64))], keepdims=0)
             sees = self.op("Transpose", [sees], perm=[0, 2, 1])
-            self.biases[mask] = (bias, sees, self.op("Shape", [mask], start=0, end=1))
-        return self.biases[mask]
+            self.biases[mask, dtype] = (bias, sees, self.op("Shape", [mask], start=0, end=1))
+        return self.biases[mask, dtype]
 
     def rotated(self, x: Any, rotation: Any, heads: int) -> Any:
         """``rotation`` (a ``RotaryEmbedding`` on ``x``'s heads) on ``x`` [batch, tokens, heads * d]."""
@@ -279,7 +286,7 @@ class _Nodes:
         import numpy as np
         import onnx_ir as ir
 
-        bias, sees, batch = self.bias(found.mask)
+        bias, sees, batch = self.bias(found.mask, found.dtype)
         # [batch] copies of the number of new tokens (every row of every entry is a valid query:
         # given, ONNX Runtime's CPU kernel also takes several new tokens for a batch of more than
         # one over a cache already written) and of one less
@@ -329,7 +336,9 @@ def onnx_group_query_attention(program: Any) -> PassResult:
     let a query see a later slot than its own would be cut to causal; the decode loops' masks
     never do. Per-head query and key norms (Qwen3's, fused to ``SimplifiedLayerNormalization``)
     stay before the op. A layer of another form (Gemma3's unfused norms, an additive float mask, a
-    windowed cache's wrapped writes) is left as it is.
+    windowed cache's wrapped writes) is left as it is. float32 and float16 graphs are fused (ONNX
+    Runtime's CPU kernel runs both; a float16 model's bias, made in float32 and cast, is read
+    through the cast, and the op's own bias is made in float16).
 
     ``GroupQueryAttention`` writes the cache in place when the present keys and values are bound
     to the past ones' buffers (:class:`~hfexport.targets.onnx.runner.OnnxDecoder` binds them);

@@ -59,7 +59,8 @@ def onnx_ort_fusions(program: Any) -> PassResult:
     ``SkipSimplifiedLayerNormalization`` (onnxscript's ORT fusions). Each rotary embedding of a
     query or key (``x * cos + rotate_half(x) * sin``: two slices, a negation, a concatenation,
     two products and a sum) becomes one ``com.microsoft::RotaryEmbedding``
-    (:class:`~hfexport.passes.onnx_rotary.TokenAnglesRotary`). The per-node cost is a large part
+    (:class:`~hfexport.passes.onnx_rotary.TokenAnglesRotary`; in a float16 graph too, whose cos and
+    sin are cast from float32). The per-node cost is a large part
     of a quantized decode step: SmolLM2-135M's decode graph went from 2,690 to 1,605 nodes with
     the norms fused, and to 1,242 with the rotary embeddings. onnxscript's SDPA →
     ``MultiHeadAttention`` rewrite is left out: on SmolLM2-135M it made the static-cache decode
@@ -84,7 +85,8 @@ def onnx_ort_fusions(program: Any) -> PassResult:
     # which ONNX Runtime has no kernel for; the rule below turns each into the contrib op, and
     # inlining restores any it could not
     if fuse_rotary_embedding(model):
-        counts["rotary_embedding"] = rewriter.RewriteRuleSet([TokenAnglesRotary.rule()]).apply_to_model(model)
+        rules = [TokenAnglesRotary.rule(), TokenAnglesRotary.rule(cast=True)]
+        counts["rotary_embedding"] = rewriter.RewriteRuleSet(rules).apply_to_model(model)
         optimizer.inline(model)
         common.RemoveUnusedFunctionsPass()(model)
         common.RemoveUnusedNodesPass()(model)
