@@ -43,6 +43,8 @@ def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
             values["dynamic"] = True
         if args.passes is not None:
             values["passes"] = args.passes
+        if args.dtype is not None:
+            values["dtype"] = args.dtype
         if args.quantize:
             from hfexport.targets import Target, get_target
 
@@ -377,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize",
         help="weight quantization, onnx and executorch: int4 (4-bit weight groups; executorch also calls it "
         "8da4w) or int8 (int8 weights; 8da8w), activations quantized to int8 at run time; see the README",
+    )
+    export.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16"),
+        help="the program's floating-point dtype; auto (default): the checkpoint's where the target runs it, "
+        "else float32 (a bfloat16 checkpoint for onnx: ONNX Runtime's CPU provider has no bfloat16 kernels)",
     )
     export.add_argument("--config", help="a JSON config file (keys of the backend's config); flags override it")
     export.add_argument("--batch", type=positive_int, default=2, help="sample batch size (default 2)")

@@ -92,8 +92,14 @@ class DynamoConfig:
         verify: after capture and after each stage, compare the program's outputs with eager
             PyTorch on the sample inputs and fail at the first stage over ``tolerance``;
             ``"passes"`` checks after every pass too and names the first pass over it.
-        tolerance: max abs difference allowed by ``verify``; ``None`` is 1e-4 for fp32 models
-            and 1e-2 for half-precision ones.
+        tolerance: max abs difference allowed by ``verify``; ``None`` is 1e-4 for a float32
+            program and, for a float16 / bfloat16 one, a few units of its dtype's resolution at
+            each output's magnitude (see :class:`~hfexport.pipeline.instruments.NumericsInstrument`).
+        dtype: the floating-point dtype of the program: ``"auto"`` (the model's own where the
+            target's runtime runs it, else float32, said in one warning: a bfloat16 model for
+            ONNX Runtime's CPU provider), ``"float32"``, ``"float16"`` or ``"bfloat16"``. The
+            export converts a copy of the model (and its floating-point sample inputs); the
+            model is not changed. A dtype the target's runtime cannot run is refused.
     """
 
     export_format: ClassVar[str] = "dynamo"
@@ -106,6 +112,7 @@ class DynamoConfig:
     dump_dir: str | None = None
     verify: bool | str = False
     tolerance: float | None = None
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.passes is not None:
@@ -123,6 +130,9 @@ class DynamoConfig:
             raise ConfigError(
                 f"tolerance must be a positive number (the largest absolute difference), got {self.tolerance!r}"
             )
+        from hfexport.precision import check_dtype
+
+        check_dtype(self)
 
     @classmethod
     def field_names(cls) -> list[str]:

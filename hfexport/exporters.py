@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -22,10 +23,12 @@ from hfexport.pipeline.capture import AxisBounds, Captured
 from hfexport.pipeline.instruments import Instrument, TimingInstrument
 from hfexport.pipeline.pass_manager import PassManager, resolve_passes
 from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult, Stage
+from hfexport.precision import group_by_dtype, in_dtype, resolve_dtype
 from hfexport.targets import Target, get_target
 from hfexport.versions import warn_on_version_drift
 
 FX_PASSES = "fx_passes"
+logger = logging.getLogger("hfexport")
 
 
 class HfExporter:
@@ -94,8 +97,11 @@ class HfExporter:
         shared: Captured | None = None,
     ) -> PipelineResult:
         """Export and return the whole :class:`PipelineResult` (program, per-step records, report).
-        ``shared``: lower this capture (see :func:`run_targets`) instead of capturing again."""
+        ``shared``: lower this capture (see :func:`run_targets`) instead of capturing again. A
+        model in another dtype than ``config.dtype`` resolves to is exported as a converted copy."""
         config = self._check_config(config)
+        if shared is None:
+            model, inputs = in_dtype(model, inputs, resolve_dtype(model, config), [config])
         result = self.build_pipeline(config, tuple(instruments)).run(model, inputs, config, shared=shared)
         result.target = self.export_format
         return result
@@ -145,7 +151,9 @@ def run_targets(
     ``prefer_deferred_runtime_asserts_over_guards``). When a target needs bounded dynamic axes
     (ExecuTorch's memory planning), the one capture is made with the bounds and every target gets
     them; each report says so. Every target lowers its own copy of the captured graph.
-    ``exporters`` (one per config) replaces the registry's exporter of each target.
+    ``exporters`` (one per config) replaces the registry's exporter of each target. Targets whose
+    configs export the model in different dtypes (``dtype="auto"`` with a bfloat16 model: float32
+    for ONNX, bfloat16 for ExecuTorch) get one capture per dtype.
     """
     from hfexport.auto import AutoHfExporter
 
@@ -158,6 +166,17 @@ def run_targets(
         exporters = [AutoHfExporter.from_config(c) for c in configs]
     if len(exporters) != len(configs):
         raise ConfigError(f"run_targets got {len(exporters)} exporters for {len(configs)} configs")
+    groups = group_by_dtype(model, configs)
+    if len(groups) > 1:
+        logger.info(
+            "one capture per dtype: %s", {str(dtype): [formats[i] for i in group] for dtype, group in groups.items()}
+        )
+        found: dict[str, PipelineResult] = {}
+        for group in groups.values():
+            picked = [configs[i] for i in group], [exporters[i] for i in group]
+            found.update(run_targets(model, inputs, picked[0], instruments, picked[1]))
+        return {fmt: found[fmt] for fmt in formats}
+    model, inputs = in_dtype(model, inputs, next(iter(groups)), configs)
     if len(configs) == 1:
         return {formats[0]: exporters[0].run(model, inputs, configs[0], instruments)}
     for field in CAPTURE_FIELDS:
@@ -208,6 +227,26 @@ def run_for_generation(
     whole prompt and never run the prefill (the command line's default)."""
     from hfexport.models.generation import decompose_for_generation
 
+    groups = group_by_dtype(model, configs)
+    if len(groups) > 1:  # one decomposition per dtype: its components are the converted model's
+        merged: dict[str, dict[str, PipelineResult]] = {}
+        for group in groups.values():
+            part = run_for_generation(
+                model,
+                inputs,
+                [configs[i] for i in group],
+                generation_config,
+                multi_token_decode,
+                instruments,
+                [exporters[i] for i in group] if exporters is not None else None,
+                on_component,
+                components,
+                skip_unused_prefill,
+            )
+            for name, by_target in part.items():
+                merged.setdefault(name, {}).update(by_target)
+        return merged
+    model, inputs = in_dtype(model, inputs, next(iter(groups)), configs)
     if any(_batch_of_one(config) for config in configs):
         inputs = _first_row(inputs)
     found = decompose_for_generation(model, inputs, generation_config, multi_token_decode)

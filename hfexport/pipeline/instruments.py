@@ -208,10 +208,45 @@ def default_tolerance(model: torch.nn.Module) -> float:
     return 1e-2 if dtypes & {torch.float16, torch.bfloat16} else 1e-4
 
 
+# verify's default for a half-precision model: each output element within this many steps of its
+# dtype's resolution (machine epsilon) of eager, at the element's magnitude (at least 1). One
+# rounding of a bfloat16 value near 3 is 0.0156 (eps 2**-7 at 2..4): an absolute 1e-2 failed a bf16
+# BERT on ExecuTorch for one rounding step, while float16 runs differ by a few steps.
+HALF_PRECISION_STEPS = 8
+
+
+def half_precision(model: torch.nn.Module) -> torch.dtype | None:
+    """float16 or bfloat16 when that dtype holds most of the model's floating-point weights."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    dtype = max(counts, key=counts.__getitem__) if counts else None
+    return dtype if dtype in (torch.float16, torch.bfloat16) else None
+
+
+def max_scaled_diff(expected: list[torch.Tensor], actual: list[Any]) -> float:
+    """:func:`max_abs_diff` with each float element's difference divided by ``max(1, |eager|)``:
+    how far apart the outputs are relative to their magnitude (inf / NaN as there)."""
+    worst = max_abs_diff(expected, actual)
+    if math.isnan(worst) or math.isinf(worst):
+        return worst
+    worst = 0.0
+    for e, a in zip(expected, actual, strict=True):
+        if e.is_floating_point() and e.numel():
+            e, a = e.double(), torch.as_tensor(a).double()
+            diff = torch.where(torch.isnan(e) & torch.isnan(a), torch.zeros_like(e), (e - a).abs())
+            worst = max(worst, float((diff / e.abs().clamp_min(1.0)).max()))
+    return worst
+
+
 class NumericsInstrument(Instrument):
     """After capture and after each stage (``each_pass``: after each pass too), run the program on
     the sample inputs and compare its outputs with eager PyTorch; raise :class:`VerificationError`
-    at the first stage (or pass) over the tolerance (default 1e-4 for fp32, 1e-2 for fp16/bf16).
+    at the first stage (or pass) over the tolerance: ``tolerance`` (max abs difference) when given,
+    else 1e-4 for a float32 model and, for a float16 / bfloat16 one, :data:`HALF_PRECISION_STEPS`
+    steps of its dtype's resolution at each element's magnitude (``|program - eager| <= 8 · eps ·
+    max(1, |eager|)``: 0.0625 at magnitude 1 in bfloat16, 0.0078 in float16).
     After a quantization pass (one reporting :data:`QUANTIZED_WEIGHTS`), the logits must have a
     cosine similarity of at least :data:`MIN_QUANTIZED_COSINE`; the figures go to the report."""
 
@@ -219,6 +254,9 @@ class NumericsInstrument(Instrument):
 
     def __init__(self, tolerance: float | None = None, each_pass: bool = False) -> None:
         self.tolerance = tolerance
+        self.given = tolerance  # None: the default, set per run from the model's dtype
+        self.relative: float | None = None  # the half-precision default: steps of eps, relative
+        self.half: torch.dtype | None = None
         self.each_pass = each_pass
         self.reference: list[torch.Tensor] = []
         self.reference_by_name: dict[str, torch.Tensor] = {}
@@ -234,8 +272,9 @@ class NumericsInstrument(Instrument):
             eager = run.model(**copy_inputs(run.inputs))
         self.reference = flat_tensors(eager)
         self.reference_by_name = named_tensors(eager)
-        if self.tolerance is None:
-            self.tolerance = default_tolerance(run.model)
+        self.half = half_precision(run.model) if self.given is None else None
+        self.relative = HALF_PRECISION_STEPS * torch.finfo(self.half).eps if self.half is not None else None
+        self.tolerance = self.given if self.given is not None else (None if self.half else 1e-4)
 
     def after(self, step: StepRecord, program: Any) -> None:
         self.quantized = self.quantized or bool(step.counts.get(QUANTIZED_WEIGHTS))
@@ -259,7 +298,7 @@ class NumericsInstrument(Instrument):
         step.max_abs_diff = max_abs_diff(reference, outputs)
         if self.quantized:
             self._check_quantized(step, reference, outputs)
-        elif not step.max_abs_diff <= self.tolerance:
+        elif not self._within(step.max_abs_diff, reference, outputs):
             where = (
                 f"pass {step.name!r} (stage {step.parent.name!r})" if step.kind == "pass" else f"stage {step.name!r}"
             )
@@ -272,8 +311,19 @@ class NumericsInstrument(Instrument):
             by = "NaN where eager has a number" if math.isnan(diff) else f"max abs {diff:.3g}"
             raise VerificationError(
                 f"{where}: outputs differ from eager PyTorch by {by} "
-                f"(tolerance {self.tolerance:g}); this is the first {step.kind} over the tolerance. {hint}."
+                f"(tolerance {self._describe()}); this is the first {step.kind} over the tolerance. {hint}."
             )
+
+    def _within(self, diff: float, reference: list[torch.Tensor], outputs: list[Any]) -> bool:
+        if self.relative is None:
+            return diff <= self.tolerance
+        return diff <= self.relative or max_scaled_diff(reference, outputs) <= self.relative
+
+    def _describe(self) -> str:
+        if self.relative is None:
+            return f"{self.tolerance:g}"
+        name = str(self.half).removeprefix("torch.")
+        return f"{HALF_PRECISION_STEPS} steps of {name}'s resolution: {self.relative:g} x max(1, |eager|)"
 
     def _check_quantized(self, step: StepRecord, reference: list[torch.Tensor], outputs: list[Any]) -> None:
         cosine, top1 = agreement(reference, outputs)

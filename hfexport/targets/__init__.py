@@ -34,6 +34,11 @@ class Target:
     suffix: ClassVar[str]  # the artifact's file suffix, e.g. ".onnx"
     config_class: ClassVar[Any]
     exporter_class: ClassVar[Any]
+    # the floating-point dtypes the target's runtime runs a program in (a config's dtype="auto"
+    # converts a model of another dtype to float32; an explicit other dtype is refused), and that
+    # runtime's name for those messages
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
+    runtime: ClassVar[str] = "the target's runtime"
 
     def stages(self, config: Any) -> list[Any]:
         """The stages after the FX passes: :class:`~hfexport.pipeline.pipeline.Stage` objects, and

@@ -62,7 +62,9 @@ class OutputSpec:
 
 @dataclass
 class ComponentSpec:
-    """What a runner needs to run one saved program of an export."""
+    """What a runner needs to run one saved program of an export. ``dtype``: the floating-point
+    dtype the program computes in (its weights'; ``""`` for a program without floating-point
+    weights, or a manifest written before it was recorded)."""
 
     file: str
     inputs: list[InputSpec]
@@ -71,6 +73,7 @@ class ComponentSpec:
     attention_windows: dict[str, int] = field(default_factory=dict)
     pipeline: str = ""
     shape_relations: list[dict[str, Any]] = field(default_factory=list)  # see hfexport.targets.shape_relations
+    dtype: str = ""
 
     @property
     def fed(self) -> list[InputSpec]:
@@ -263,4 +266,15 @@ def captured_facts(captured: Captured | None) -> dict[str, Any]:
         "bounds": bounds,
         "attention_windows": dict(captured.attention_windows),
         "shape_relations": shape_relations(captured.program),
+        "dtype": program_dtype(captured.program),
     }
+
+
+def program_dtype(program: torch.export.ExportedProgram) -> str:
+    """The floating-point dtype holding most of ``program``'s weight elements (parameters,
+    buffers, constants), as ``"bfloat16"``; ``""`` without floating-point weights."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in [*program.state_dict.values(), *program.constants.values()]:
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return _dtype(torch.empty(0, dtype=max(counts, key=counts.__getitem__))) if counts else ""

@@ -183,6 +183,7 @@ class DynamoTarget(Target):
     suffix = ".pt2"
     config_class = "hfexport.configs:DynamoConfig"
     exporter_class = "hfexport.exporters:DynamoExporter"
+    runtime = "PyTorch"
 
     def save(self, program: torch.export.ExportedProgram, path: Path) -> None:
         torch.export.save(program, path)

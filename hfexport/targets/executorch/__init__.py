@@ -24,6 +24,7 @@ class ExecutorchTarget(Target):
     suffix = ".pte"
     config_class = "hfexport.configs:ExecutorchConfig"
     exporter_class = "hfexport.exporters:ExecutorchExporter"
+    runtime = "the ExecuTorch runtime"
 
     def stages(self, config: Any) -> list[Any]:
         from hfexport.pipeline.pipeline import TransformStage

@@ -20,6 +20,8 @@ class OnnxTarget(Target):
     suffix = ".onnx"
     config_class = "hfexport.configs:OnnxConfig"
     exporter_class = "hfexport.exporters:OnnxExporter"
+    dtypes = ("float32", "float16")  # ONNX Runtime's CPU kernels: none for bfloat16 (MatMul, RotaryEmbedding, …)
+    runtime = "ONNX Runtime's CPU provider"
 
     def stages(self, config: Any) -> list[Any]:
         from hfexport.pipeline.pipeline import TransformStage

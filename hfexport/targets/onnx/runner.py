@@ -36,11 +36,18 @@ def _session_spec(session: Any) -> ComponentSpec:
     return ComponentSpec("", inputs, [OutputSpec(o.name, o.name) for o in session.get_outputs()])
 
 
-def _load_failure_hint(path: str | Path, installed: str) -> str:
+def _load_failure_hint(path: str | Path, installed: str, error: str = "") -> str:
     """What to do about a graph ONNX Runtime cannot load. The decode graphs use ONNX Runtime
     contrib ops (``GroupQueryAttention``'s query lengths, ``MatMulNBits``, …) in forms an older
-    ONNX Runtime rejects, so a version other than the one the manifest recorded is named too."""
-    hint = "the file may be truncated or not an ONNX model: export again"
+    ONNX Runtime rejects, so a version other than the one the manifest recorded is named too. A
+    kernel the provider lacks (every bfloat16 one on the CPU provider) is not a damaged file."""
+    if "NOT_IMPLEMENTED" in error or "Could not find an implementation" in error:
+        hint = (
+            "the file is whole, but this ONNX Runtime has no kernel for one of its operators in the types it "
+            "uses (the CPU provider runs no bfloat16): export with --dtype float32 or float16"
+        )
+    else:
+        hint = "the file may be truncated or not an ONNX model: export again"
     try:
         found = Manifest.find(path)
     except HfExportError:  # a manifest that cannot be read says nothing about the versions
@@ -83,7 +90,7 @@ class OnnxRunner(Runner):
         except Exception as error:  # ONNX Runtime raises its own types (InvalidProtobuf, NoSuchFile, …)
             raise ArtifactError(
                 f"ONNX Runtime cannot load {path} ({type(error).__name__}: {str(error).strip()[:200]}); "
-                f"{_load_failure_hint(path, onnxruntime.__version__)}"
+                f"{_load_failure_hint(path, onnxruntime.__version__, str(error))}"
             ) from error
         if spec is None:
             found = Manifest.find(path)

@@ -1,0 +1,163 @@
+"""Export precision: the ``dtype`` of a config, resolved against the model's own and against what
+each target's runtime runs, and the converted copy of the model an export then captures.
+
+``dtype="auto"`` keeps the model's dtype where the target runs it and otherwise converts to
+float32, saying so in one warning (a bfloat16 checkpoint for ONNX Runtime's CPU provider, which
+has no bfloat16 kernels). An explicit dtype converts to it; a dtype the target's runtime cannot
+run is refused when the config is made. The user's model and inputs are never changed: a
+conversion makes a copy of the model whose floating-point weights are converted directly from the
+originals (:func:`converted_model`), so the export holds the model twice only when it must, and
+never a third copy in the old dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("hfexport")
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The floating-point dtype holding most of ``model``'s parameter and buffer elements (None
+    without floating-point weights)."""
+    counts: dict[torch.dtype, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_floating_point():
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
+def check_dtype(config: Any) -> None:
+    """Raise :class:`~hfexport.ConfigError` for a ``dtype`` that is not a choice, or that the
+    config's target cannot run (one line naming the field and what to pass instead)."""
+    from hfexport.errors import ConfigError
+
+    dtype = config.dtype
+    if dtype not in DTYPE_CHOICES:
+        raise ConfigError(
+            f"{type(config).__name__} dtype must be one of {', '.join(map(repr, DTYPE_CHOICES))}, got {dtype!r}"
+        )
+    target = _target(config)
+    if dtype == "auto" or target is None or dtype in target.dtypes:
+        return
+    others = " or ".join(repr(name) for name in target.dtypes)
+    raise ConfigError(
+        f"{type(config).__name__} dtype {dtype!r}: {target.runtime} has no {dtype} kernels, so the program could "
+        f"not run; use dtype {others} ('auto' exports a {dtype} model in float32)"
+    )
+
+
+def _target(config: Any) -> Any:
+    from hfexport.targets import TARGETS, get_target
+
+    name = getattr(config, "export_format", None)
+    return get_target(name) if name in TARGETS else None
+
+
+def resolve_dtype(model: torch.nn.Module, config: Any) -> torch.dtype | None:
+    """The dtype ``config`` exports ``model`` in: its explicit ``dtype``, else (``"auto"``) the
+    model's own where the target runs it, else float32. None for a model without floating-point
+    weights (nothing to convert)."""
+    own = model_dtype(model)
+    if own is None:
+        return None
+    name = getattr(config, "dtype", "auto")
+    if name != "auto":
+        return DTYPES[name]
+    target = _target(config)
+    if target is None or dtype_name(own) in target.dtypes or dtype_name(own) not in DTYPES:
+        return own
+    return torch.float32
+
+
+def converted_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` whose floating-point parameters and buffers are ``dtype`` (what
+    ``copy.deepcopy(model).to(dtype)`` gives, tied weights still tied). Each converted tensor is
+    made from the original directly: the copy never holds the weights in their old dtype, so the
+    peak is the model plus its converted weights. ``model`` is not changed."""
+    memo: dict[int, Any] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in memo or not tensor.is_floating_point() or tensor.dtype == dtype:
+            continue
+        with torch.no_grad():
+            value = tensor.detach().to(dtype)
+        if isinstance(tensor, torch.nn.Parameter):
+            value = torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = value
+    copied = copy.deepcopy(model, memo)
+    config = getattr(copied, "config", None)
+    if config is not None and hasattr(config, "dtype"):
+        # what from_pretrained(dtype=...) records; some models read it to make their caches
+        config.dtype = dtype
+    return copied
+
+
+def converted_inputs(inputs: Any, old: torch.dtype, new: torch.dtype) -> Any:
+    """``inputs`` with each ``old``-dtype floating tensor (pixel values, audio features) as ``new``
+    (new tensors; the others are kept as they are)."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(new) if inputs.dtype == old else inputs
+    if isinstance(inputs, dict):
+        return {key: converted_inputs(value, old, new) for key, value in inputs.items()}
+    if isinstance(inputs, (list, tuple)) and not hasattr(inputs, "_fields"):
+        return type(inputs)(converted_inputs(value, old, new) for value in inputs)
+    return inputs
+
+
+def group_by_dtype(model: torch.nn.Module, configs: Sequence[Any]) -> dict[torch.dtype | None, list[int]]:
+    """The indices of ``configs`` (each a config, or ``{component: config}``) by the dtype each
+    exports ``model`` in, in order; configs of one dtype can share one capture."""
+    groups: dict[torch.dtype | None, list[int]] = {}
+    for index, config in enumerate(configs):
+        found = {resolve_dtype(model, c) for c in (config.values() if isinstance(config, dict) else [config])}
+        if len(found) > 1:
+            from hfexport.errors import ConfigError
+
+            raise ConfigError(
+                "the per-component configs of one target export the model in different dtypes "
+                f"({', '.join(sorted(dtype_name(d) for d in found if d is not None))}); give them one dtype"
+            )
+        groups.setdefault(found.pop(), []).append(index)
+    return groups
+
+
+def in_dtype(
+    model: torch.nn.Module, inputs: Any, dtype: torch.dtype | None, configs: Sequence[Any]
+) -> tuple[torch.nn.Module, Any]:
+    """``(model, inputs)`` in ``dtype``: the same objects when the model already is, else a
+    converted copy (:func:`converted_model`), announced in one line: a warning when ``auto``
+    converts because a target's runtime cannot run the model's dtype, else at INFO level."""
+    own = model_dtype(model)
+    if dtype is None or own is None or own == dtype:
+        return model, inputs
+    flat = [c for config in configs for c in (config.values() if isinstance(config, dict) else [config])]
+    automatic = [c for c in flat if getattr(c, "dtype", "auto") == "auto"]
+    if automatic:
+        target = _target(automatic[0])
+        runtime = target.runtime if target is not None else automatic[0].export_format
+        halves = [name for name in (target.dtypes if target is not None else ()) if name != "float32"]
+        other = f"; dtype={halves[0]!r} gives a half-precision program" if halves else ""
+        logger.warning(
+            "%s runs no %s: exporting the %s model in %s for %s%s",
+            runtime,
+            dtype_name(own),
+            dtype_name(own),
+            dtype_name(dtype),
+            ", ".join(sorted({c.export_format for c in automatic})),
+            other,
+        )
+    else:
+        logger.info("converting the %s model to %s (dtype=%r)", dtype_name(own), dtype_name(dtype), dtype_name(dtype))
+    return converted_model(model, dtype), converted_inputs(inputs, own, dtype)
