@@ -85,7 +85,7 @@ class HfExporter:
                 )
             by_stage[pass_.stage].append(pass_)
         stages = [PassStage(s, PassManager(by_stage[s])) if isinstance(s, str) else s for s in layout]
-        return Pipeline.for_config(stages, config, instruments, TRANSFORMERS, self.target.bounds)
+        return Pipeline.for_config(stages, config, instruments, TRANSFORMERS, self.target.bounds, _in_config_dtype)
 
     def run(
         self,
@@ -100,8 +100,6 @@ class HfExporter:
         ``shared``: lower this capture (see :func:`run_targets`) instead of capturing again. A
         model in another dtype than ``config.dtype`` resolves to is exported as a converted copy."""
         config = self._check_config(config)
-        if shared is None:
-            model, inputs = in_dtype(model, inputs, resolve_dtype(model, config), [config])
         result = self.build_pipeline(config, tuple(instruments)).run(model, inputs, config, shared=shared)
         result.target = self.export_format
         return result
@@ -132,6 +130,11 @@ class HfExporter:
             config = self._check_config(config)
         results = run_for_generation(model, inputs, [config], generation_config, multi_token_decode, exporters=[self])
         return {name: by_target[self.export_format].program for name, by_target in results.items()}
+
+
+def _in_config_dtype(model: torch.nn.Module, inputs: Any, config: Any) -> tuple[torch.nn.Module, Any]:
+    """``(model, inputs)`` in the dtype ``config`` exports in (a converted copy when it differs)."""
+    return in_dtype(model, inputs, resolve_dtype(model, config), [config])
 
 
 CAPTURE_FIELDS = ("dynamic", "dynamic_shapes", "strict", "prefer_deferred_runtime_asserts_over_guards")

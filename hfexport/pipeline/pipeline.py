@@ -213,7 +213,9 @@ class Pipeline:
 
     ``Pipeline.passes`` is the :class:`PassManager` of the first pass stage, so the FX pass list
     can be edited in code before :meth:`run`. ``frontend`` knows the model library the pipeline
-    captures from (the exporters give it :data:`hfexport.models.TRANSFORMERS`).
+    captures from (the exporters give it :data:`hfexport.models.TRANSFORMERS`). ``convert``
+    (``(model, inputs, config) -> (model, inputs)``) gives the model and inputs a capture takes
+    in the precision the config asks for (the exporters give it :mod:`hfexport.precision`'s).
     """
 
     def __init__(
@@ -222,11 +224,13 @@ class Pipeline:
         instruments: Sequence[Instrument] = (),
         frontend: Frontend | None = None,
         bounds: Callable[[torch.nn.Module, Any], AxisBounds | None] | None = None,
+        convert: Callable[[torch.nn.Module, Any, Any], tuple[torch.nn.Module, Any]] | None = None,
     ) -> None:
         self.frontend = frontend or Frontend()
         self.stages: list[Stage] = [CaptureStage(self.frontend), *stages]
         self.instruments: list[Instrument] = list(instruments)
         self.bounds = bounds  # (model, config) -> the bounds the stages need on unbounded dynamic axes
+        self.convert = convert
 
     @classmethod
     def for_config(
@@ -236,6 +240,7 @@ class Pipeline:
         extra: Sequence[Instrument] = (),
         frontend: Frontend | None = None,
         bounds: Callable[[torch.nn.Module, Any], AxisBounds | None] | None = None,
+        convert: Callable[[torch.nn.Module, Any, Any], tuple[torch.nn.Module, Any]] | None = None,
     ) -> Pipeline:
         """A pipeline with the instruments a config asks for (timing always; dump, numerics)."""
         instruments: list[Instrument] = [TimingInstrument()]
@@ -243,7 +248,7 @@ class Pipeline:
             instruments.append(DumpInstrument(config.dump_dir))
         if config.verify:
             instruments.append(NumericsInstrument(config.tolerance, each_pass=config.verify == "passes"))
-        return cls(stages, [*instruments, *extra], frontend, bounds)
+        return cls(stages, [*instruments, *extra], frontend, bounds, convert)
 
     @property
     def passes(self) -> PassManager:
@@ -286,6 +291,8 @@ class Pipeline:
     def _run(
         self, model: torch.nn.Module, inputs: Any, config: Any, bounds: AxisBounds | None, shared: Captured | None
     ) -> PipelineResult:
+        if shared is None and self.convert is not None:
+            model, inputs = self.convert(model, inputs, config)
         if bounds is None and shared is None and self.bounds is not None:
             bounds = self.bounds(model, config)
         for stage in self.stages:
