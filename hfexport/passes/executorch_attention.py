@@ -39,6 +39,8 @@ def _check(node: Node) -> str | None:
     q, k, v = (n.meta["val"] for n in (query, key, value))
     if args.get("is_causal") or args.get("dropout_p", 0.0):
         return "causal or dropout SDPA"
+    # executorch 1.4.1's kernel takes bfloat16 / float16 queries but returns float32 values far
+    # from SDPA's (a float32 mask; a float16 one is refused): half-precision models keep matmuls
     if q.dtype != torch.float32 or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"not float32 ({q.dtype})"
     if mask is None or mask.meta["val"].dtype != torch.bool:
