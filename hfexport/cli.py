@@ -130,11 +130,11 @@ class Interrupts:
 
 def _export(args: argparse.Namespace) -> int:
     from hfexport.exporters import run_for_generation, run_targets
-    from hfexport.pipeline.instruments import ProgressInstrument
-    from hfexport.pipeline.pipeline import stage_table
     from hfexport.models.loading import load_model, model_folder
     from hfexport.models.processor_inputs import sample_inputs_for
     from hfexport.models.tasks import infer_task
+    from hfexport.pipeline.instruments import ProgressInstrument
+    from hfexport.pipeline.pipeline import stage_table
     from hfexport.targets import save_export
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]

@@ -91,6 +91,7 @@ class AxisBounds:
     batch: int
     other: int
     source: str
+    widenable: bool = False  # a default nobody asked for: capture widens ``other`` for a longer sample
 
     def __call__(self, axis: int) -> int:
         return self.batch if axis == 0 else self.other
@@ -99,7 +100,12 @@ class AxisBounds:
         """The bounds that satisfy both (the smaller of each)."""
         if other is None:
             return self
-        return AxisBounds(min(self.batch, other.batch), min(self.other, other.other), f"{self.source}; {other.source}")
+        return AxisBounds(
+            min(self.batch, other.batch),
+            min(self.other, other.other),
+            f"{self.source}; {other.source}",
+            self.widenable and other.widenable,
+        )
 
     def counts(self) -> dict[str, int]:
         return {"max_batch_size": self.batch, "max_seq_len": self.other}
@@ -387,6 +393,30 @@ class Captured:
 TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "decoder_input_ids")
 
 
+def widened_for_sample(inputs: dict[str, Any], bounds: AxisBounds) -> AxisBounds:
+    """``bounds`` with ``other`` raised to twice the sample's longest token axis when that is
+    longer and the bound is a default nobody asked for (an audio model's samples outnumber a text
+    model's tokens); said in one warning."""
+    longest = max(
+        (v.shape[1] for n, v in inputs.items() if n in TOKEN_INPUTS and isinstance(v, torch.Tensor) and v.dim() == 2),
+        default=0,
+    )
+    if not bounds.widenable or longest <= bounds.other:
+        return bounds
+    widened = dataclasses.replace(
+        bounds, other=2 * longest, source=f"twice the sample's {longest} (over {bounds.source})"
+    )
+    logger.warning(
+        "the sample is %d long, above the default bound %d (%s): the program takes up to %d; set max_seq_len for "
+        "longer inputs",
+        longest,
+        bounds.other,
+        bounds.source,
+        widened.other,
+    )
+    return widened
+
+
 def check_sample_within(inputs: dict[str, Any], bounds: AxisBounds) -> None:
     """Raise :class:`ConfigError` when the sample's token inputs have a batch (axis 0) or a token
     count (axis 1) beyond ``bounds``: the program could not take its own sample, and the bounds
@@ -428,6 +458,7 @@ def capture(
     frontend = frontend or Frontend()
     inputs = frontend.prepare(model, inputs)
     if bounds is not None:
+        bounds = widened_for_sample(inputs, bounds)
         check_sample_within(inputs, bounds)
     if config.dynamic:
         dynamic_shapes = auto_dynamic_shapes(inputs, bounds, frontend.static_axes(model, inputs))

@@ -64,6 +64,7 @@ def memory_planning_bounds(model: torch.nn.Module, config: Any) -> AxisBounds:
         batch,
         DEFAULT_MAX_SEQ_LEN,
         f"ExecuTorch memory planning: default max_seq_len {DEFAULT_MAX_SEQ_LEN}",
+        widenable=True,
     )
 
 
