@@ -3,6 +3,7 @@ registered in :mod:`hfexport.pipeline.patches` (scope ``"capture"``) and applied
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable
@@ -100,3 +101,47 @@ def _qwen2_vl_vision_attention(original: Callable) -> Callable:
         return self.proj(output[0].transpose(0, 1).reshape(length, -1))
 
     return forward
+
+
+@register_patch(
+    "transformers.masking_utils:_vmap_expansion_sdpa",
+    name="mask_functions_by_broadcasting",
+    reason=(
+        "an attention mask made from a custom mask function (Gemma 3's bidirectional image tokens, "
+        "token_type_ids indexed per query and key) is built with torch.vmap, which torch.export records "
+        "as a flat_apply higher-order op that a .pt2 cannot save (SerializeError: Failed serializing node "
+        "flat_apply). transformers' index-based mask functions take broadcast indices as well, which is "
+        "how it builds every other mask: the same mask, from ordinary tensor ops"
+    ),
+    upstream="https://github.com/pytorch/pytorch/pull/181263",  # vmap in export graphs not serialised (related)
+)
+def _mask_functions_by_broadcasting(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def expansion(mask_function: Callable) -> Callable:
+        def broadcast(batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+            mask = mask_function(
+                batch[:, None, None, None],
+                head[None, :, None, None],
+                query[None, None, :, None],
+                key[None, None, None, :],
+            )
+            # sizes, not len(): len() of a symbolic size is a Python int, which fixes the axis
+            return mask.expand(batch.shape[0], head.shape[0], query.shape[0], key.shape[0])
+
+        return broadcast
+
+    return expansion
+
+
+@register_patch(
+    "transformers.masking_utils:TransformGetItemToIndex",
+    name="mask_functions_index_as_tensor_ops",
+    reason=(
+        "the other half of mask_functions_by_broadcasting: around the vmap'd mask function, transformers "
+        "turns tensor indexing into an autograd function, which torch.export also records as an unsavable "
+        "flat_apply; with broadcast indices ordinary indexing is what the mask function needs"
+    ),
+    upstream="https://github.com/pytorch/pytorch/pull/181263",  # vmap in export graphs not serialised (related)
+)
+def _mask_functions_index_as_tensor_ops(original: Callable) -> Callable:
+    return contextlib.nullcontext
