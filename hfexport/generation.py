@@ -241,6 +241,35 @@ class Generation:
         )
 
 
+class TokenStream:
+    """The ``on_token`` callback of a generation: collects the new tokens and their times, and
+    passes ``stream`` each new piece of the decoded text as it grows (with a tokenizer)."""
+
+    def __init__(self, tokenizer: Any, stream: Callable[[str], None] | None) -> None:
+        self.tokenizer, self.stream = tokenizer, stream
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+        self._shown = ""
+
+    def __call__(self, token: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+        self.tokens.append(int(token[0, 0]))
+        if self.stream is not None and self.tokenizer is not None:
+            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            if text.startswith(self._shown) and len(text) > len(self._shown):
+                self.stream(text[len(self._shown) :])
+                self._shown = text
+
+    def generation(self, prompt_tokens: int, started: float, eos_token_ids: list[int], cache_full: bool) -> Generation:
+        """The :class:`Generation` of the collected tokens, generation having started at ``started``."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
+        stop = (
+            "end of sequence" if self.tokens[-1] in eos_token_ids else "cache full" if cache_full else "max_new_tokens"
+        )
+        first, last = self.times[0] - started, self.times[-1] - self.times[0]
+        return Generation(self.tokens, text, prompt_tokens, first, last, stop)
+
+
 class TextGenerator:
     """Greedy text generation from an export folder written with ``--generation``: its decode
     program, and the tokenizer and generation config copied next to it (an export of a checkpoint
@@ -335,20 +364,7 @@ class TextGenerator:
                     f"({self.decoder.max_cache_len} tokens); export again with a larger --max-cache-len"
                 )
             max_new_tokens = room
-        new: list[int] = []
-        times: list[float] = []
-        shown = ""
-
-        def on_token(token: torch.Tensor) -> None:
-            nonlocal shown
-            times.append(time.perf_counter())
-            new.append(int(token[0, 0]))
-            if stream is not None and self.tokenizer is not None:
-                text = self.tokenizer.decode(new, skip_special_tokens=True)
-                if text.startswith(shown) and len(text) > len(shown):
-                    stream(text[len(shown) :])
-                    shown = text
-
+        tokens = TokenStream(self.tokenizer, stream)
         started = time.perf_counter()
         greedy_decode(
             self.decoder,
@@ -356,17 +372,9 @@ class TextGenerator:
             max_new_tokens,
             self.decoder.max_cache_len,
             eos_token_id=self.eos_token_id or None,
-            on_token=on_token,
+            on_token=tokens,
         )
-        text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else ""
-        stop = (
-            "end of sequence"
-            if new[-1] in self.eos_token_id
-            else "cache full"
-            if len(new) == room
-            else "max_new_tokens"
-        )
-        return Generation(new, text, prompt_ids.shape[1], times[0] - started, times[-1] - times[0], stop)
+        return tokens.generation(prompt_ids.shape[1], started, self.eos_token_id, cache_full=len(tokens.tokens) == room)
 
 
 def load(folder: str | Path, trust: bool = False) -> Any:

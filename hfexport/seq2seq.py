@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hfexport.errors import HfExportError
-from hfexport.generation import Generation, decode_mask, greedy_decode
+from hfexport.generation import Generation, TokenStream, decode_mask, greedy_decode
 
 # generation-config settings that change greedy tokens and that this loop does not apply: refused
 # (the default value of each is what it has when unset)
@@ -392,32 +392,12 @@ class EncoderDecoderGenerator:
             )
         started = time.perf_counter()
         encoded = self.encoder_inputs(prompt, audio)
-        new: list[int] = []
-        times: list[float] = []
-        shown = ""
-
-        def on_token(token: torch.Tensor) -> None:
-            nonlocal shown
-            times.append(time.perf_counter())
-            new.append(int(token[0, 0]))
-            if stream is not None and self.tokenizer is not None:
-                text = self.tokenizer.decode(new, skip_special_tokens=True)
-                if text.startswith(shown) and len(text) > len(shown):
-                    stream(text[len(shown) :])
-                    shown = text
-
+        tokens = TokenStream(self.tokenizer, stream)
         room = self.max_cache_len - len(self.decoder_prompt())
-        self.generate_ids(encoded, max_new_tokens, on_token)
-        text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else ""
-        stop = (
-            "end of sequence"
-            if new[-1] in self.eos_token_id
-            else "cache full"
-            if len(new) == room and max_new_tokens is None
-            else "max_new_tokens"
-        )
+        self.generate_ids(encoded, max_new_tokens, tokens)
         prompt_tokens = int(encoded["input_ids"].shape[1]) if "input_ids" in encoded else 0
-        return Generation(new, text, prompt_tokens, times[0] - started, times[-1] - times[0], stop)
+        cache_full = len(tokens.tokens) == room and max_new_tokens is None
+        return tokens.generation(prompt_tokens, started, self.eos_token_id, cache_full)
 
 
 class _Config:
