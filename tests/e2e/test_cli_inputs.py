@@ -141,7 +141,7 @@ def test_mamba_folder_exports_with_its_own_attention_free_layers(tmp_path):
     torch.testing.assert_close(program.module()(**inputs).logits, expected, atol=1e-4, rtol=0)
 
 
-REMOTE_CODE = '''
+REMOTE_CODE = """
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
@@ -156,7 +156,7 @@ class ShoutForCausalLM(LlamaForCausalLM):
         outputs = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         outputs.logits = outputs.logits * 2
         return outputs
-'''
+"""
 
 
 def test_a_folder_with_its_own_model_code_needs_trust_remote_code(tmp_path):
