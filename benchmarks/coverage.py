@@ -86,7 +86,9 @@ def compare(target: str, eager: list, got: list) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------- case
 
 
-def run_case(model_type: str, targets: list[str], transformers_targets: list[str], out: Any) -> None:
+def run_case(
+    model_type: str, targets: list[str], transformers_targets: list[str], generation_targets: list[str], out: Any
+) -> None:
     """In the case process: put one dict per finished (type, target) on ``out``."""
     import torch
 
@@ -139,7 +141,7 @@ def run_case(model_type: str, targets: list[str], transformers_targets: list[str
                 **transformers_case(model, inputs, second, eager, eager2, target),
             }
         )
-    generation_case(model, inputs, base, out)
+    generation_case(model, inputs, base, generation_targets, out)
 
 
 def hfexport_targets(model, inputs, second, eager, eager2, targets, base, out) -> None:
@@ -212,19 +214,124 @@ def transformers_case(model, inputs, second, eager, eager2, target: str) -> dict
         return {"status": "run_error", "cause": cause(error)}
 
 
-def generation_case(model, inputs, base, out) -> None:
-    """Hook for the generation half of the sweep (not run yet): for a generative model,
-    ``export_for_generation`` to each target and greedy decoding through hfexport's decoders
-    against ``model.generate``, one record per target as ``{"target": "generate:<target>", ...}``."""
-    return None
+NEW_TOKENS = 8  # greedy tokens compared with model.generate
+CACHE_LEN = 32  # the generation exports' --max-cache-len
 
 
-def _case_entry(model_type, targets, transformers_targets, out) -> None:
+def _varied_reference(model, prompt: dict) -> list[int]:
+    """``model.generate``'s greedy tokens for ``prompt``. A tiny model at its default
+    initialisation often repeats one token, which would compare little: then its matrices are
+    redrawn at std 0.5 (seeded), kept when that gives more distinct tokens."""
+    import copy
+
+    import torch
+
+    def generate() -> list[int]:
+        with torch.no_grad():
+            return model.generate(**prompt, do_sample=False, max_new_tokens=NEW_TOKENS)[0].tolist()
+
+    reference = generate()
+    if len(set(reference[-NEW_TOKENS:])) >= 3:
+        return reference
+    default = copy.deepcopy(model.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    redrawn = generate()
+    if len(set(redrawn[-NEW_TOKENS:])) > len(set(reference[-NEW_TOKENS:])):
+        return redrawn
+    model.load_state_dict(default)
+    return reference
+
+
+def generation_case(model, inputs, base, targets: list[str], out) -> None:
+    """The generation half: for a model that generates, ``hfexport export CHECKPOINT --generation``
+    (the command line's defaults, one capture for every target) from the tiny model saved as a
+    checkpoint folder, then greedy decoding of one prompt through ``hfexport.load(folder)`` against
+    ``model.generate(do_sample=False)``: one record ``{"target": "generate:<target>", ...}`` per
+    target, ``pass`` when the new tokens are equal."""
+    import contextlib
+    import io
+
+    import hfexport
+    from hfexport.cli import main as cli
+
+    if not targets:
+        return
+    if not model.can_generate():
+        for target in targets:
+            out.put({**base, "target": target, "status": "skipped", "cause": "does not generate"})
+        return
+    names = [t.split(":", 1)[1] for t in targets]
+    encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+    # the prompt: one row of the sample; a decoder-only model gets its text inputs only
+    prompt = {k: v[:1] for k, v in inputs.items() if hasattr(v, "shape") and not k.startswith("decoder_")}
+    if not encoder_decoder:
+        prompt = {k: v for k, v in prompt.items() if k in ("input_ids", "attention_mask")}
+    generation = model.generation_config
+    if encoder_decoder and generation.decoder_start_token_id is None and generation.bos_token_id is None:
+        # a default config may name no start token (a real checkpoint does): the pad id, as T5's
+        generation.decoder_start_token_id = generation.pad_token_id or 0
+    try:
+        reference = _varied_reference(model, prompt)
+    except Exception as error:
+        for target in targets:
+            out.put({**base, "target": target, "status": "eager_error", "cause": f"model.generate: {cause(error)}"})
+        return
+    with tempfile.TemporaryDirectory() as root:
+        checkpoint = Path(root) / "checkpoint"
+        model.save_pretrained(checkpoint)
+
+        def export(formats: list[str], folder: Path) -> str | None:
+            """``None``, or the command line's one-line error."""
+            argv = ["export", str(checkpoint), "--generation", "--format", ",".join(formats)]
+            argv += ["--out", str(folder), "--max-cache-len", str(CACHE_LEN)]
+            errors = io.StringIO()
+            with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+                code = cli(argv)
+            found = [line for line in errors.getvalue().splitlines() if line.startswith("hfexport: error")]
+            return None if code == 0 else (found[-1] if found else f"exit {code}")
+
+        folders = {name: Path(root) / "export" / name for name in names}
+        failed: dict[str, str] = {}
+        if export(names, Path(root) / "export") is not None:  # one target at a time: whose failure is it
+            for name in names:
+                error = export([name], folders[name])
+                if error is not None:
+                    failed[name] = error
+        elif len(names) == 1:
+            folders = {names[0]: Path(root) / "export"}
+        for name, target in zip(names, targets, strict=True):
+            record = {**base, "target": target}
+            if name in failed:
+                out.put({**record, "status": "export_error", "cause": failed[name].removeprefix("hfexport: error: ")})
+                continue
+            try:
+                generator = hfexport.load(folders[name])
+                if encoder_decoder:
+                    start = list(generator.decoder_prompt())
+                    got = generator.generate_ids(prompt, NEW_TOKENS)[0].tolist()[len(start) :]
+                    # generate returns the decoder prompt too, but Whisper's returns the new tokens only
+                    expected = reference[len(start) :] if reference[: len(start)] == start else reference
+                else:
+                    ids = prompt["input_ids"][0].tolist()
+                    got = list(generator.generate(ids, NEW_TOKENS).tokens)
+                    expected = reference[len(ids) :]
+                record["expected"] = expected
+                status = "pass" if got == expected else "mismatch"
+                out.put({**record, "status": status, "got": got})
+            except Exception as error:
+                out.put({**record, "status": "run_error", "cause": cause(error)})
+
+
+def _case_entry(model_type, targets, transformers_targets, generation_targets, out) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
     try:
-        run_case(model_type, targets, transformers_targets, out)
+        run_case(model_type, targets, transformers_targets, generation_targets, out)
     except BaseException as error:  # the parent records a crash of the case itself
         out.put({"type": model_type, "target": "case", "status": "crash", "cause": cause(error)})
         traceback.print_exc()
@@ -258,7 +365,8 @@ def run_one(model_type: str, targets: list[str], timeout: float) -> list[dict]:
     out = context.Queue()
     plain = [t for t in targets if ":" not in t]
     theirs = [t.split(":", 1)[1] for t in targets if t.startswith("transformers:")]
-    process = context.Process(target=_case_entry, args=(model_type, plain, theirs, out), daemon=True)
+    generate = [t for t in targets if t.startswith("generate:")]
+    process = context.Process(target=_case_entry, args=(model_type, plain, theirs, generate, out), daemon=True)
     start = time.perf_counter()
     process.start()
     rows: list[dict] = []
@@ -324,8 +432,16 @@ def sweep(args: argparse.Namespace) -> None:
             raise SystemExit(f"unknown model types: {', '.join(unknown)}")
         types = wanted
     targets = [t for t in args.targets.split(",") if t]
+    known = {*TARGETS, *(f"generate:{t}" for t in TARGETS)}
+    if set(targets) - known:
+        raise SystemExit(
+            f"unknown targets {', '.join(sorted(set(targets) - known))}; valid: {', '.join(sorted(known))}"
+        )
+    plain = [t for t in targets if ":" not in t]
+    if args.generation:
+        targets += [f"generate:{t}" for t in plain if f"generate:{t}" not in targets]
     if args.transformers:
-        targets += [f"transformers:{t}" for t in args.targets.split(",") if t]
+        targets += [f"transformers:{t}" for t in plain]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     done = load_results()
     todo = [(t, left) for t in types if (left := pending_targets(t, done, targets)) is not None]
@@ -369,7 +485,8 @@ def write_report(path: Path = DOC) -> None:
     rows = load_results()
     eager = {t: r for (t, target), r in rows.items() if target == "eager"}
     runs = [t for t, r in eager.items() if r["status"] == "ok"]
-    columns = [c for c in (*TARGETS, *(f"transformers:{t}" for t in TARGETS)) if any((t, c) in rows for t in runs)]
+    every = (*TARGETS, *(f"transformers:{t}" for t in TARGETS), *(f"generate:{t}" for t in TARGETS))
+    columns = [c for c in every if any((t, c) in rows for t in runs)]
     status_count = defaultdict(int)
     for r in eager.values():
         status_count[r["status"]] += 1
@@ -399,7 +516,7 @@ def write_report(path: Path = DOC) -> None:
         by_kind[eager[t].get("kind") or "other"].append(t)
 
     def total(types: list[str], column: str) -> str:
-        ran = [rows[(t, column)] for t in types if (t, column) in rows]
+        ran = [rows[(t, column)] for t in types if (t, column) in rows and rows[(t, column)]["status"] != "skipped"]
         if not ran:
             return "–"
         passed = sum(r["status"] == "pass" for r in ran)
@@ -416,7 +533,7 @@ def write_report(path: Path = DOC) -> None:
         classes: dict[str, list[str]] = defaultdict(list)
         for t in runs:
             r = rows.get((t, column))
-            if r and r["status"] != "pass":
+            if r and r["status"] not in ("pass", "skipped"):
                 classes[_failure_class(r)].append(t)
         if classes:
             lines += [f"### {column}", "", "| cause | count | types |", "|---|---|---|"]
@@ -455,6 +572,8 @@ def write_report(path: Path = DOC) -> None:
 
 def _failure_class(row: dict) -> str:
     if row["status"] == "mismatch":
+        if "got" in row:
+            return "mismatch: greedy tokens differ from model.generate's"
         return "mismatch: max abs diff above the tolerance"
     why = row.get("cause") or row["status"]
     # numbers and names vary between types: the class is the message up to its first specific detail
@@ -464,10 +583,12 @@ def _failure_class(row: dict) -> str:
 
 
 def _status_cell(row: dict | None) -> str:
-    if row is None:
+    if row is None or row["status"] == "skipped":
         return "–"
     if row["status"] == "pass":
         return "pass"
+    if row["status"] == "mismatch" and "got" in row:
+        return "tokens differ"
     if row["status"] == "mismatch":
         return f"mismatch {row.get('diff') or 0:.1e}/{row.get('diff2') or 0:.1e}"
     return f"{row['status']}: {_cell(row.get('cause', ''), 100)}"
@@ -482,6 +603,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default="dynamo,onnx,executorch", help="comma-separated: dynamo,onnx,executorch")
     parser.add_argument("--only", default="", help="comma-separated model types (default: every registered type)")
+    parser.add_argument(
+        "--generation",
+        action="store_true",
+        help="also export each generative type with --generation and compare greedy tokens with model.generate "
+        "(targets generate:<target>)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="cases run at the same time")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per case")
     parser.add_argument("--limit", type=int, default=0, help="run at most this many types")

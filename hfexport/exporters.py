@@ -275,8 +275,15 @@ def run_for_generation(
                 )
             config = copy.deepcopy(config[name] if isinstance(config, dict) else config)
             cache_len = getattr(generation_config, "max_cache_len", None)
-            if cache_len and "cache" in kwargs and getattr(config, "max_seq_len", 0) is None:
-                # a component writing a static cache never sees more tokens than it holds
+            if (
+                cache_len
+                and "cache" in kwargs
+                and "encoder_outputs" not in kwargs
+                and getattr(config, "max_seq_len", 0) is None
+            ):
+                # a component writing a static cache never sees more tokens than it holds; an
+                # encoder-decoder's decoder also takes the encoder's states and mask, as long as
+                # the input (audio frames, a long text), so it keeps the target's default bound
                 config.max_seq_len = cache_len
             if "cache" in kwargs and _batch_of_one(config):
                 config.max_batch_size = 1

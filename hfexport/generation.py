@@ -283,7 +283,7 @@ class TextGenerator:
         if not self.export.manifest.generation:
             raise HfExportError(
                 f"{folder} holds a single-graph export; export with "
-                "`hfexport export MODEL --dynamic --generation --out DIR` to generate"
+                "`hfexport export MODEL --generation --out DIR` to generate"
             )
         self.decoder = self.export.decoder(batch_size=1)
         self.tokenizer = self._tokenizer()

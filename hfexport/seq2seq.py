@@ -447,10 +447,17 @@ class _Processed:
             scores[:] = lowest
             scores[:, forced] = 0
         if self.suppress:
-            scores[:, self.suppress] = lowest
+            scores[:, _in_vocabulary(self.suppress, scores)] = lowest
         if self.begin_suppress and self.length == self.begin:
-            scores[:, self.begin_suppress] = lowest
+            scores[:, _in_vocabulary(self.begin_suppress, scores)] = lowest
         return last
+
+
+def _in_vocabulary(tokens: list[int], scores: torch.Tensor) -> list[int]:
+    """The ids of ``tokens`` that have a score: transformers' suppressing processors match ids
+    against the vocabulary, so an id beyond it (a config shared by checkpoints of several
+    vocabulary sizes) suppresses nothing."""
+    return [token for token in tokens if 0 <= token < scores.shape[-1]]
 
 
 class _OneTokenAtATime:

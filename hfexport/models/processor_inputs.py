@@ -39,13 +39,18 @@ def sample_inputs_for(
     (:func:`processor_sample_inputs`), else from the model's config
     (:func:`hfexport.models.samples.config_sample_inputs`); inputs no processor makes (an
     encoder-decoder's ``decoder_input_ids``) come from the config too. ``text_from_config``: a
-    text-only model's sample comes from the config (random ids and an unpadded mask: the prompt
-    that ``--generation`` runs ``generate`` on once)."""
+    text-only model's sample is a prompt from the config (random ids and an unpadded mask, plus an
+    encoder-decoder's ``decoder_*`` inputs): what ``--generation`` runs ``generate`` on once. It
+    leaves out inputs the decode loops never feed (GPT-2's optional ``token_type_ids``, which
+    would fix the decode graph's query length at one token)."""
     from hfexport.models.samples import config_sample_inputs
 
     from_config = config_sample_inputs(model, batch=batch, seq=seq, seed=seed)
     text_only = not ({"pixel_values", "input_features", "input_values"} & set(from_config))
-    if folder is None or (text_from_config and text_only):
+    if text_from_config and text_only:
+        prompt = ("input_ids", "attention_mask")
+        return {name: value for name, value in from_config.items() if name in prompt or name.startswith("decoder_")}
+    if folder is None:
         return from_config
     made = processor_sample_inputs(model, folder, task, batch, seq, seed)
     if made is None:

@@ -240,6 +240,7 @@ class ExportFolder:
         if ids is not None and 1 not in ids.dynamic:
             raise HfExportError(
                 f"the decode graph in {self.folder} takes exactly {ids.shape[1]} query tokens (exported with static "
-                "shapes), so it cannot take a prompt and then one token; export with --dynamic"
+                "shapes), so it cannot take a prompt and then one token; export it again without --static "
+                "(`hfexport export MODEL --generation`, whose shapes are dynamic by default)"
             )
         return self.target.decoder(self.folder, self.manifest, batch_size, self.trust)

@@ -141,6 +141,26 @@ def test_mamba_folder_exports_with_its_own_attention_free_layers(tmp_path):
     torch.testing.assert_close(program.module()(**inputs).logits, expected, atol=1e-4, rtol=0)
 
 
+def test_gpt2_folder_exports_for_generation_and_generates_eagers_tokens(tmp_path):
+    # GPT-2's forward takes token_type_ids, which the generation sample carried: the decode graph
+    # came out taking exactly one query token and `generate` refused the folder
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:  # varied greedy tokens (the default init repeats one)
+                parameter.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "gpt2")
+    run("export", tmp_path / "gpt2", "--generation", "--out", tmp_path / "out", "--max-cache-len", "32")
+    prompt = [5, 17, 33, 90, 41]
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8)[0, 5:].tolist()
+    assert len(set(expected)) >= 3, expected
+    done = run("generate", tmp_path / "out", "--prompt-ids", ",".join(map(str, prompt)), "--max-new-tokens", "8")
+    assert done.stdout.strip().splitlines()[0] == ",".join(map(str, expected))
+
+
 REMOTE_CODE = """
 from transformers import LlamaConfig, LlamaForCausalLM
 

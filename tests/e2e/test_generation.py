@@ -695,5 +695,5 @@ def test_a_static_decode_graph_is_refused_for_generation_by_name(tmp_path):
     model = build("tiny-llama")
     results = run_for_generation(model, sample_inputs(model, 2, 6), [DynamoConfig()], STATIC, multi_token_decode=True)
     save_export(tmp_path, {name: by_target["dynamo"] for name, by_target in results.items()})
-    with pytest.raises(HfExportError, match="takes exactly 2 query tokens.*export with --dynamic"):
+    with pytest.raises(HfExportError, match="takes exactly 2 query tokens.*without --static"):
         ExportFolder(tmp_path).decoder(batch_size=1)

@@ -208,3 +208,35 @@ def test_wrong_input_kind_is_one_line(exported):
         done = _cli("generate", str(folders["dynamo"]), "--audio", str(folders["dynamo"] / "hfexport.json"))
         assert "not audio" in done.stderr
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_executorch_encoder_decoder_takes_a_prompt_longer_than_its_cache(exported_executorch):
+    # the cache holds the decoder's tokens; the encoder's states and mask are as long as the prompt.
+    # The decoder programs were bounded by the cache length (32), so a 40-word prompt failed there
+    _, checkpoint, folders, extra = exported_executorch("t5")
+    import transformers
+
+    prompt = " ".join(f"w{3 + (7 * i) % 120}" for i in range(40))
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        expected = model.generate(**extra["tokenizer"](prompt, return_tensors="pt"), do_sample=False, max_new_tokens=6)
+    got = hfexport.load(folders["executorch"]).generate(prompt, max_new_tokens=6)
+    assert got.tokens == expected[0, 1:].tolist()[: len(got.tokens)]
+
+
+def test_suppressed_token_ids_beyond_the_vocabulary_suppress_nothing():
+    # transformers matches suppressed ids against the vocabulary; a Whisper config lists 50256
+    # for every vocabulary size, which raised an IndexError in the decode loop
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from hfexport.seq2seq import _Processed
+
+    settings = GenerationConfig(suppress_tokens=[2, 50256], begin_suppress_tokens=[3, 50257])
+    owner = SimpleNamespace(generation_config=settings, eos_token_id=[])
+    logits = torch.zeros(1, 1, 8)
+    step = _Processed(lambda ids, *rest: logits, owner, begin=1, max_length=10)
+    scores = step(torch.tensor([[0]]))[0, -1]
+    assert scores[2] == scores[3] == torch.finfo(scores.dtype).min
+    assert (scores[[0, 1, 4, 5, 6, 7]] == 0).all()
