@@ -350,13 +350,19 @@ def load_results(path: Path = RESULTS) -> dict[tuple[str, str], dict]:
     return found
 
 
-def pending_targets(model_type: str, done: dict, wanted: list[str]) -> list[str] | None:
+def pending_targets(model_type: str, done: dict, wanted: list[str], retry: bool = False) -> list[str] | None:
     """The targets of ``wanted`` still to run for ``model_type``; ``None`` when nothing is left
-    (its eager record says it cannot run, or every target is done)."""
+    (its eager record says it cannot run, or every target is done). ``retry``: a target whose
+    record is not a pass runs again (after a fix)."""
     eager = done.get((model_type, "eager"))
     if eager is not None and eager["status"] != "ok":
         return None
-    left = [t for t in wanted if (model_type, t) not in done]
+
+    def finished(target: str) -> bool:
+        row = done.get((model_type, target))
+        return row is not None and not (retry and row["status"] not in ("pass", "skipped"))
+
+    left = [t for t in wanted if not finished(t)]
     return left if left or eager is None else None
 
 
@@ -444,7 +450,7 @@ def sweep(args: argparse.Namespace) -> None:
         targets += [f"transformers:{t}" for t in plain]
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     done = load_results()
-    todo = [(t, left) for t in types if (left := pending_targets(t, done, targets)) is not None]
+    todo = [(t, left) for t in types if (left := pending_targets(t, done, targets, args.retry)) is not None]
     if args.shuffle:  # a spread over every kind first, when a run cannot cover every type
         import random
 
@@ -609,6 +615,7 @@ def main() -> None:
         help="also export each generative type with --generation and compare greedy tokens with model.generate "
         "(targets generate:<target>)",
     )
+    parser.add_argument("--retry", action="store_true", help="run again the (type, target) cases that did not pass")
     parser.add_argument("--jobs", type=int, default=1, help="cases run at the same time")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per case")
     parser.add_argument("--limit", type=int, default=0, help="run at most this many types")

@@ -135,6 +135,28 @@ class StaticCacheDecoder:
                 tensor.zero_()
 
 
+class OneTokenAtATime:
+    """A decode ``step`` (see :func:`greedy_decode`) over a decode program that takes one token
+    per call (a recurrent model's, or one exported with a query of one): the prompt goes in
+    token by token. Other attributes (``reset``, ``max_cache_len``) are the wrapped step's."""
+
+    def __init__(self, step: Callable[..., torch.Tensor]) -> None:
+        self.step = step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.step, name)
+
+    def __call__(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor, positions: Any
+    ) -> torch.Tensor:
+        # the mask's causal part hides the slots of the prompt tokens not fed yet
+        per_token = isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[1] > 1
+        for index in range(input_ids.shape[1]):
+            position = positions[:, index : index + 1] if per_token else positions
+            logits = self.step(input_ids[:, index : index + 1], valid, slots[index : index + 1], position)
+        return logits
+
+
 def greedy_decode(
     step: Any,
     prompt_ids: torch.Tensor,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hfexport.errors import HfExportError
-from hfexport.generation import Generation, TokenStream, decode_mask, greedy_decode
+from hfexport.generation import Generation, OneTokenAtATime, TokenStream, decode_mask, greedy_decode
 
 # generation-config settings that change greedy tokens and that this loop does not apply: refused
 # (the default value of each is what it has when unset)
@@ -363,7 +363,7 @@ class EncoderDecoderGenerator:
         step = _Processed(self.start(encoded), self, len(prompt), len(prompt) + max_new_tokens)
         prompt_ids = torch.tensor([prompt] * batch, dtype=torch.long)
         if not self.query_dynamic:
-            step = _OneTokenAtATime(step)
+            step = OneTokenAtATime(step)
         pad = self.generation_config.pad_token_id
         return greedy_decode(
             step,
@@ -458,19 +458,3 @@ def _in_vocabulary(tokens: list[int], scores: torch.Tensor) -> list[int]:
     against the vocabulary, so an id beyond it (a config shared by checkpoints of several
     vocabulary sizes) suppresses nothing."""
     return [token for token in tokens if 0 <= token < scores.shape[-1]]
-
-
-class _OneTokenAtATime:
-    """A decode ``step`` for a decode program that takes one token per call, fed the decoder
-    prompt token by token."""
-
-    def __init__(self, step: Callable[..., torch.Tensor]) -> None:
-        self.step = step
-
-    def __call__(
-        self, input_ids: torch.Tensor, valid: torch.Tensor, slots: torch.Tensor, positions: Any
-    ) -> torch.Tensor:
-        # the mask's causal part hides the slots of the prompt tokens not fed yet
-        for index in range(input_ids.shape[1]):
-            logits = self.step(input_ids[:, index : index + 1], valid, slots[index : index + 1], positions)
-        return logits

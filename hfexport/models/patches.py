@@ -145,3 +145,68 @@ def _mask_functions_by_broadcasting(original: Callable) -> Callable:
 )
 def _mask_functions_index_as_tensor_ops(original: Callable) -> Callable:
     return contextlib.nullcontext
+
+
+@register_patch(
+    "transformers.models.*mamba.modeling_*mamba:mamba_selective_scan",
+    name="selective_scan_as_scan_op",
+    reason=(
+        "Mamba's selective scan without its CUDA kernels is a Python loop over the sequence, so "
+        "torch.export unrolls it and fixes the sequence axis to the sample's length (a program that "
+        "takes only 8 tokens). The same recurrence as torch's scan higher-order op traces once for any "
+        "length, and ONNX (a Scan node) and ExecuTorch (a loop of jumps) both lower it"
+    ),
+    # transformers keeps the sequential loop under export: "There is no onnx translation for this op"
+    # (its associative_scan branch, skipped when exporting)
+    upstream="https://github.com/huggingface/transformers/blob/main/src/transformers/models/mamba/modeling_mamba.py",
+)
+def _selective_scan_as_scan_op(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def mamba_selective_scan(
+        hidden_states: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        D: torch.Tensor | None = None,
+        z: torch.Tensor | None = None,
+        delta_bias: torch.Tensor | None = None,
+        delta_softplus: bool = False,
+        return_last_state: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        from torch._higher_order_ops.scan import scan
+
+        batch_size, intermediate_size, _ = hidden_states.shape
+        input_dtype = hidden_states.dtype
+        if delta_bias is not None:
+            dt = dt + delta_bias.to(dt.dtype)[..., None]
+        if delta_softplus:
+            dt = torch.nn.functional.softplus(dt)
+        B, C = B.transpose(1, 2), C.transpose(1, 2)
+        discrete_a = torch.exp(A[None, :, None, :] * dt[:, :, :, None])
+        delta_b_u = dt[:, :, :, None] * B[:, None, :, :].float() * hidden_states[:, :, :, None].float()
+        # the loop's state is in the input dtype before its first step and promoted after: the
+        # scan's carry keeps one dtype, the promoted one (zeros are zeros in either)
+        state_dtype = torch.promote_types(torch.promote_types(discrete_a.dtype, delta_b_u.dtype), input_dtype)
+        state = torch.zeros(batch_size, intermediate_size, A.shape[-1], dtype=state_dtype, device=A.device)
+
+        def step(state: torch.Tensor, xs: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            decay, update = xs
+            state = decay * state + update
+            return state, state.clone()
+
+        # the sequence axis first: scan walks axis 0. Every step's state comes out and is read
+        # out after the scan, as a product and a sum: ExecuTorch's edge passes fail on a scan body
+        # with a matmul ('SymInt' object has no attribute 'unsqueeze'), and a batched matmul is a
+        # reshape of two dynamic axes, which XNNPACK cannot take
+        state, states = scan(step, state, (discrete_a.permute(2, 0, 1, 3), delta_b_u.permute(2, 0, 1, 3)))
+        outputs = (states.to(input_dtype) * C.transpose(0, 1)[:, :, None, :]).sum(-1)
+        scan_output = outputs.permute(1, 2, 0)
+        if D is not None:
+            scan_output = scan_output + hidden_states * D[None, :, None]
+        if z is not None:
+            scan_output = scan_output * torch.nn.functional.silu(z)
+        return (scan_output, state) if return_last_state else scan_output
+
+    return mamba_selective_scan

@@ -231,12 +231,18 @@ class ExportFolder:
             )
         decode = self.manifest.component("decode")
         ids = next((i for i in decode.inputs if i.path == "input_ids"), None)
-        if ids is not None and ids.dynamic and 1 not in ids.dynamic and ids.shape[1] == 1:
+        states = [i.path for i in decode.inputs if i.path.startswith("cache.") and len(i.shape) != 4]
+        if states and not any(i.path.startswith("cache.") and len(i.shape) == 4 for i in decode.inputs):
             raise HfExportError(
-                f"the decode graph in {self.folder} takes one token per step (the model's forward cannot take "
-                "several new tokens with a filled cache, e.g. a recurrent state), and hfexport's decode loop "
-                "feeds the whole prompt to it first; run the folder's prefill and decode programs yourself"
+                f"the decode graph in {self.folder} carries a recurrent state ({states[0]}, …), not an attention "
+                "cache; hfexport's decode loops run attention caches only: run the folder's prefill and decode "
+                "programs yourself"
             )
+        if ids is not None and 1 not in ids.dynamic and ids.shape[1] == 1:
+            # one token per step (a recurrent state cannot take several at once): the prompt too
+            from hfexport.generation import OneTokenAtATime
+
+            return OneTokenAtATime(self.target.decoder(self.folder, self.manifest, batch_size, self.trust))
         if ids is not None and 1 not in ids.dynamic:
             raise HfExportError(
                 f"the decode graph in {self.folder} takes exactly {ids.shape[1]} query tokens (exported with static "

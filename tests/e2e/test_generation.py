@@ -697,3 +697,32 @@ def test_a_static_decode_graph_is_refused_for_generation_by_name(tmp_path):
     save_export(tmp_path, {name: by_target["dynamo"] for name, by_target in results.items()})
     with pytest.raises(HfExportError, match="takes exactly 2 query tokens.*without --static"):
         ExportFolder(tmp_path).decoder(batch_size=1)
+
+
+def test_a_decode_graph_of_one_token_takes_the_prompt_token_by_token(tmp_path):
+    # exported for one new token per step (static shapes): the decoder was refused ("takes
+    # exactly 1 query tokens"); one token is what the prompt can be fed as, one call per token
+    from hfexport import ExportFolder, run_for_generation, save_export
+
+    model = build("tiny-llama")
+    prompt = sample_inputs(model, 1, 6)
+    results = run_for_generation(model, prompt, [DynamoConfig()], STATIC)
+    save_export(tmp_path, {name: by_target["dynamo"] for name, by_target in results.items()})
+    decoder = ExportFolder(tmp_path).decoder(batch_size=1)
+    got = greedy_decode(decoder, prompt["input_ids"], 10, decoder.max_cache_len)
+    expected = reference_tokens(model, prompt, 10)
+    assert torch.equal(got, expected), (got, expected)
+
+
+def test_a_recurrent_decode_graph_is_refused_for_generation_by_name(tmp_path):
+    import transformers
+
+    from hfexport import ExportFolder, HfExportError, run_for_generation, save_export
+
+    config = transformers.MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8)
+    model = transformers.MambaForCausalLM(config).eval()
+    prompt = {"input_ids": torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))}
+    results = run_for_generation(model, prompt, [DynamoConfig(dynamic=True)], STATIC, multi_token_decode=True)
+    save_export(tmp_path, {name: by_target["dynamo"] for name, by_target in results.items()})
+    with pytest.raises(HfExportError, match="carries a recurrent state .* not an attention cache"):
+        ExportFolder(tmp_path).decoder(batch_size=1)

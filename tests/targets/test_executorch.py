@@ -306,3 +306,20 @@ def test_head_transposes_around_elementwise_ops_cancel_and_an_output_keeps_its_v
     program = to_edge(torch.export.export(Kept(), (x, c))).exported_program()
     assert cancel_head_transposes(program) == 0
     assert len(transposes(program)) == 2
+
+
+class _TrailingUnsqueeze(torch.nn.Module):
+    def forward(self, x):
+        return (x[:, :, None] * 2.0).sum(-1) + x.sum(-1, keepdim=True)
+
+
+def test_an_unsqueeze_over_two_dynamic_axes_stays_out_of_xnnpack(tmp_path):
+    # XNNPACK's partitioner claimed it, then its lowering failed the delegate stage: "XNNPACK
+    # reshape only supports 1 dynamic dimension" (pytorch/executorch#11449)
+    model = _TrailingUnsqueeze()
+    x = torch.randn(2, 8)
+    save_export(tmp_path, {"model": ExecutorchExporter().run(model, {"x": x}, ExecutorchConfig(dynamic=True))})
+    runner = ExportFolder(tmp_path).runner()
+    for shape in [(2, 8), (3, 13)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(torch.as_tensor(runner.run({"x": x})[0]), model(x), atol=1e-5, rtol=0)

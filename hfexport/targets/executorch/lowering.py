@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hfexport.configs import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN
-from hfexport.errors import ConfigError
+from hfexport.errors import ConfigError, UnsupportedModelError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
 from hfexport.pipeline.capture import AxisBounds, Captured
 from hfexport.pipeline.pipeline import PipelineRun
@@ -81,12 +81,56 @@ def default_memory_budget_mb() -> int:
 def partitioners(backend: str) -> list[Any]:
     """The partitioners of an ExecuTorch backend (``portable``: none)."""
     if backend == "xnnpack":
+        from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
+        from executorch.backends.xnnpack.partition.config.generic_node_configs import UnsqueezeCopyConfig
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
-        return [XnnpackPartitioner()]
+        configs = [
+            _unsqueeze_config(UnsqueezeCopyConfig) if c is UnsqueezeCopyConfig else c for c in ALL_PARTITIONER_CONFIGS
+        ]
+        return [XnnpackPartitioner(configs=configs)]
     if backend == "portable":
         return []
     raise ConfigError(f"ExecuTorch backend {backend!r} is not supported by this lowering; use 'xnnpack' or 'portable'")
+
+
+def _unsqueeze_config(base: type) -> type:
+    """XNNPACK's ``unsqueeze_copy`` config, also refusing an output with two or more dynamic
+    axes: XNNPACK lowers unsqueeze as a static reshape, which takes one dynamic axis, and its
+    partitioner claims the node without checking, so the ``delegate`` stage failed ("XNNPACK
+    reshape only supports 1 dynamic dimension") where the node could run as a portable kernel
+    (pytorch/executorch#11449; the config came with pytorch/executorch#19261)."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    class UnsqueezeCopyOneDynamicAxis(base):  # type: ignore[misc, valid-type]
+        def check_constraints(self, node: torch.fx.Node, ep: Any) -> bool:
+            value = node.meta.get("val")
+            if value is not None and sum(bool(free_symbols(size)) for size in value.shape) > 1:
+                return False
+            return super().check_constraints(node, ep)
+
+    return UnsqueezeCopyOneDynamicAxis
+
+
+def refuse_scans_over_a_dynamic_state(program: torch.export.ExportedProgram) -> None:
+    """Raise :class:`UnsupportedModelError` when a ``scan`` (Mamba's selective scan, see
+    ``selective_scan_as_scan_op``) carries a state with a dynamic axis: ExecuTorch 1.4's emitter
+    copies the initial state into a buffer planned for the largest size with ``aten::copy_``, which
+    does not resize, so the program would fail at run time on any smaller batch."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    for node in program.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.higher_order.scan:
+            continue
+        for state in node.args[1]:
+            value = state.meta.get("val") if isinstance(state, torch.fx.Node) else None
+            if value is not None and any(free_symbols(size) for size in value.shape):
+                raise UnsupportedModelError(
+                    f"the model's recurrence (a scan) carries a state of dynamic shape {list(value.shape)}, which "
+                    "ExecuTorch's runtime cannot run (it copies the state into a buffer of the largest size); "
+                    "export it for one sequence (ExecutorchConfig(max_batch_size=1)), or for generation "
+                    "(--generation), whose programs take one"
+                )
 
 
 def to_edge(
@@ -101,6 +145,7 @@ def to_edge(
     from executorch.exir.program._program import _gen_edge_manager_for_partitioners
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    refuse_scans_over_a_dynamic_state(program)
     config = EdgeCompileConfig(_check_ir_validity=False)
     # Decompose SDPA with the math backend: the CPU fused kernel's decomposition lays its output
     # out differently from what capture recorded, and a view after it (GPT-2's Conv1D) then
