@@ -537,7 +537,19 @@ def build_tiny(model_type: str, seed: int = 0) -> torch.nn.Module:
             raise
         torch.manual_seed(seed)
         model = cls._from_config(tiny_config(model_type))
+    _randomize_zero_matrices(model, seed)
     return model.eval()
+
+
+def _randomize_zero_matrices(model: torch.nn.Module, seed: int) -> None:
+    """Draw the weight matrices a model initialises to zero (a router's gate: AFMoE, or a
+    zero-initialised projection) at std 0.02: all-zero router scores tie every expert, and torch
+    and ONNX Runtime break a top-k tie differently, which a trained checkpoint never shows."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2 and parameter.is_floating_point() and not parameter.any():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
 
 
 def model_kind(model: torch.nn.Module, task: str | None = None) -> str:
