@@ -358,7 +358,7 @@ def pending_targets(model_type: str, done: dict, wanted: list[str], retry: bool 
     (its eager record says it cannot run, or every target is done). ``retry``: a target whose
     record is not a pass runs again (after a fix)."""
     eager = done.get((model_type, "eager"))
-    if eager is not None and eager["status"] != "ok":
+    if eager is not None and eager["status"] != "ok" and not (retry and eager["status"] == "crash"):
         return None
 
     def finished(target: str) -> bool:
