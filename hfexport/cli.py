@@ -135,6 +135,7 @@ def _export(args: argparse.Namespace) -> int:
     from hfexport.models.tasks import infer_task
     from hfexport.pipeline.instruments import ProgressInstrument
     from hfexport.pipeline.pipeline import stage_table
+    from hfexport.precision import group_by_dtype, in_dtype
     from hfexport.targets import save_export
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
@@ -151,6 +152,11 @@ def _export(args: argparse.Namespace) -> int:
         raise ConfigError("--generation exports a decode graph that takes any prompt length; drop --static")
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model = load_model(args.model, args.task, args.trust_remote_code)
+    dtypes = group_by_dtype(model, configs)
+    if len(dtypes) == 1:
+        # every target exports one dtype: convert now and drop the loaded copy, which the export
+        # would otherwise hold beside its converted one to the end
+        model, _ = in_dtype(model, {}, next(iter(dtypes)), configs)
     source = model_folder(args.model)
     task = args.task or infer_task(model.config)
     inputs = sample_inputs_for(model, source, task, args.batch, args.seq, text_from_config=args.generation)
