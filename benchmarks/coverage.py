@@ -353,12 +353,15 @@ def load_results(path: Path = RESULTS) -> dict[tuple[str, str], dict]:
     return found
 
 
+RETRIED_EAGER = ("crash", "build_error", "eager_error", "timeout")  # what a builder or sample fix can change
+
+
 def pending_targets(model_type: str, done: dict, wanted: list[str], retry: bool = False) -> list[str] | None:
     """The targets of ``wanted`` still to run for ``model_type``; ``None`` when nothing is left
     (its eager record says it cannot run, or every target is done). ``retry``: a target whose
     record is not a pass runs again (after a fix)."""
     eager = done.get((model_type, "eager"))
-    if eager is not None and eager["status"] != "ok" and not (retry and eager["status"] == "crash"):
+    if eager is not None and eager["status"] != "ok" and not (retry and eager["status"] in RETRIED_EAGER):
         return None
 
     def finished(target: str) -> bool:
@@ -618,7 +621,9 @@ def main() -> None:
         help="also export each generative type with --generation and compare greedy tokens with model.generate "
         "(targets generate:<target>)",
     )
-    parser.add_argument("--retry", action="store_true", help="run again the (type, target) cases that did not pass")
+    parser.add_argument(
+        "--retry", action="store_true", help="run again the cases that did not pass (and the types that did not run)"
+    )
     parser.add_argument("--jobs", type=int, default=1, help="cases run at the same time")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per case")
     parser.add_argument("--limit", type=int, default=0, help="run at most this many types")

@@ -71,7 +71,18 @@ def config_sample_inputs(
             swapped["attention_mask"] = torch.ones(batch, swapped["input_features"].shape[1], dtype=torch.long)
         if _runs(model, swapped):
             inputs = swapped
+    if "input_values" in inputs and inputs["input_values"].dim() == 2 and not _runs(model, inputs):
+        # a waveform as (batch, samples) or as (batch, channels, samples) with one channel
+        channelled = {**inputs, "input_values": inputs["input_values"][:, None]}
+        for masked in [channelled] if "attention_mask" not in channelled else [channelled, _unmasked(channelled)]:
+            if _runs(model, masked):
+                inputs = masked
+                break
     return inputs
+
+
+def _unmasked(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value for name, value in inputs.items() if name != "attention_mask"}
 
 
 def _runs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> bool:

@@ -119,3 +119,12 @@ def test_no_weight_matrix_is_all_zero():
     model = build_tiny("afmoe")
     zero = [name for name, p in model.named_parameters() if p.dim() >= 2 and not p.any()]
     assert not zero, zero
+
+
+def test_a_one_channel_waveform_model_gets_a_channel_axis():
+    # PE-Audio's encoder reads (batch, 1, samples): a (batch, samples) waveform was taken as two channels
+    model = build_tiny("pe_audio_encoder")
+    inputs = config_sample_inputs(model)
+    assert inputs["input_values"].shape[1] == 1
+    with torch.no_grad():
+        model(**inputs)
