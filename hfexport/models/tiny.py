@@ -207,10 +207,9 @@ def _shrink(d: dict[str, Any], is_config: bool) -> None:
     original_heads = d.get("num_attention_heads")
     original_hidden = d.get("hidden_size")
     original_kv = d.get("num_key_value_heads")
-    original_head_dim = d.get("head_dim")
-    if not isinstance(original_head_dim, int) and isinstance(original_heads, int) and original_heads:
-        hidden = d.get("hidden_size")
-        original_head_dim = hidden // original_heads if isinstance(hidden, int) else None
+    original_head_dim = _head_dim(d)
+    equal_dims = _equal_head_dims(d)
+    original_rotary = d.get("rotary_dim")
     for key, value in list(d.items()):
         if key.startswith("_") or key in _UNTOUCHED:
             continue
@@ -246,7 +245,12 @@ def _shrink(d: dict[str, Any], is_config: bool) -> None:
         _fix_layer_indices(d, layers)
         _fix_periods(d, layers)
     _fix_heads(d, original_heads, original_kv)
+    for group in equal_dims:  # MLA: head_dim is qk_rope_head_dim (DeepSeek-V3, LongCat-Flash)
+        smallest = min(d[key] for key in group)
+        for key in group:
+            d[key] = smallest
     _fix_rope(d, original_head_dim)
+    _fix_rotary_dim(d, original_rotary, original_head_dim)
     _fix_ssm(d)
     _fix_images(d)
     _fix_image_tokens(d)
@@ -319,6 +323,36 @@ def _fix_rope(d: dict, original_head_dim: Any) -> None:
             section = holder.get(key)
             if isinstance(section, list) and section and head_dim and sum(section) != head_dim // 2:
                 holder[key] = _split(head_dim // 2, section)
+
+
+def _equal_head_dims(d: dict) -> list[list[str]]:
+    """Groups of ``*head_dim`` fields equal in the original config (a config deriving one from the
+    other): they stay equal when shrunk."""
+    by_value: dict[int, list[str]] = {}
+    for key, value in d.items():
+        if key.endswith("head_dim") and type(value) is int and value > 1:
+            by_value.setdefault(value, []).append(key)
+    return [keys for keys in by_value.values() if len(keys) > 1]
+
+
+def _head_dim(d: dict) -> int | None:
+    head_dim = d.get("head_dim")
+    if type(head_dim) is int:
+        return head_dim
+    for width_key, heads_key in (("hidden_size", "num_attention_heads"), ("n_embd", "n_head"), ("d_model", "n_head")):
+        width, heads = d.get(width_key), d.get(heads_key)
+        if type(width) is int and type(heads) is int and heads:
+            return width // heads
+    return None
+
+
+def _fix_rotary_dim(d: dict, original_rotary: Any, original_head_dim: Any) -> None:
+    """A partial rotary width (GPT-J, CodeGen: ``rotary_dim``) keeps its share of the shrunk head."""
+    head_dim = _head_dim(d)
+    if type(original_rotary) is not int or head_dim is None or d.get("rotary_dim", 0) <= head_dim:
+        return
+    share = original_rotary / original_head_dim if type(original_head_dim) is int and original_head_dim else 1
+    d["rotary_dim"] = max(2, int(head_dim * min(share, 1)) // 2 * 2)
 
 
 def _fix_mrope(d: dict) -> None:
@@ -454,6 +488,7 @@ def tiny_config(model_type: str) -> Any:
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class().to_dict()
     shrunk = shrink_config_dict(defaults)
+    _fix_default_mrope(shrunk, model_type)
     if model_type in OVERRIDES:
         _merge(shrunk, OVERRIDES[model_type][1])
     for key in ("transformers_version", "architectures", "_name_or_path", "model_type"):
@@ -463,6 +498,29 @@ def tiny_config(model_type: str) -> Any:
     except Exception:
         _drop_derived(shrunk, len(defaults.get("layer_types") or ()) or _layer_count(defaults))
         return config_class(**shrunk)
+
+
+def _fix_default_mrope(d: dict, model_type: str) -> None:
+    """A text model whose code defaults its rotary sections (``rope_parameters.get("mrope_section",
+    [16, 24, 24])``: Qwen2.5-VL's and GLM-OCR's text models) gets sections summing to half the
+    shrunk head: the default sums to half the original one."""
+    import importlib
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+
+    rope = d.get("rope_parameters")
+    head_dim = _head_dim(d)
+    if not isinstance(rope, dict) or "mrope_section" in rope or head_dim is None:
+        return
+    try:
+        module = importlib.import_module(CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return
+    source = inspect.getsource(module)
+    found = re.search(r'get\("mrope_section", \[(\d+), (\d+), (\d+)\]\)', source)
+    if found:
+        rope["mrope_section"] = _split(head_dim // 2, [int(v) for v in found.groups()])
 
 
 def _drop_derived(d: dict, original_layers: int | None) -> None:

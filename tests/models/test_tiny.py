@@ -128,3 +128,13 @@ def test_a_one_channel_waveform_model_gets_a_channel_axis():
     assert inputs["input_values"].shape[1] == 1
     with torch.no_grad():
         model(**inputs)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "codegen", "qwen2_5_vl_text"])
+def test_shrunk_rotary_sizes_fit_the_shrunk_head(model_type):
+    # each failed eagerly: MLA's head_dim (equal to qk_rope_head_dim) shrunk apart from it;
+    # CodeGen's rotary_dim 64 over a 16-wide head; Qwen2.5-VL's text model defaulting its rotary
+    # sections to the original head's [16, 24, 24]
+    model = build_tiny(model_type)
+    with torch.no_grad():
+        model(**config_sample_inputs(model))
