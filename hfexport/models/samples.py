@@ -71,6 +71,12 @@ def config_sample_inputs(
             swapped["attention_mask"] = torch.ones(batch, swapped["input_features"].shape[1], dtype=torch.long)
         if _runs(model, swapped):
             inputs = swapped
+    if "pixel_values" in inputs and inputs["pixel_values"].dim() == 4 and not _runs(model, inputs):
+        # images as (batch, images or frames, channels, height, width): Idefics3, ViViT
+        frames = _side(_find(config, "num_frames", prefer="vision")) or 1
+        stacked = inputs["pixel_values"][:, None].expand(-1, frames, -1, -1, -1).contiguous()
+        if _runs(model, {**inputs, "pixel_values": stacked}):
+            inputs = {**inputs, "pixel_values": stacked}
     if "input_values" in inputs and inputs["input_values"].dim() == 2 and not _runs(model, inputs):
         # a waveform as (batch, samples) or as (batch, channels, samples) with one channel
         channelled = {**inputs, "input_values": inputs["input_values"][:, None]}

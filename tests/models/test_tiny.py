@@ -138,3 +138,12 @@ def test_shrunk_rotary_sizes_fit_the_shrunk_head(model_type):
     model = build_tiny(model_type)
     with torch.no_grad():
         model(**config_sample_inputs(model))
+
+
+def test_a_video_model_gets_frames():
+    # ViViT reads (batch, frames, channels, height, width): a 4-D image batch failed to unpack
+    model = build_tiny("vivit")
+    inputs = config_sample_inputs(model)
+    assert inputs["pixel_values"].dim() == 5
+    with torch.no_grad():
+        model(**inputs)
