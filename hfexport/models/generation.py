@@ -222,7 +222,18 @@ def decompose_for_generation(
         scope.enter_context(_recording(model, calls))
         for name, module in submodules.items():
             scope.enter_context(_recording(module, sub_calls[name]))
-        model.generate(**copy_inputs(inputs), generation_config=config)
+        try:
+            model.generate(**copy_inputs(inputs), generation_config=config)
+        except (IndexError, RuntimeError) as error:
+            # e.g. CPM-Ant: prompt_length ids of its own overflow a cache of 32, and its mask does not
+            # follow a longer static cache
+            more = f" of {cache_len} tokens" if cache_len else ""
+            raise HfExportError(
+                f"{type(model).__name__}.generate failed on the sample prompt with the static cache{more} "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}): its code may not "
+                "support a static cache, or may add tokens of its own to the prompt (then a larger --max-cache-len "
+                "helps)"
+            ) from error
     if len(calls) < new_tokens:
         raise HfExportError(
             f"generate made {len(calls)} forward calls, expected {new_tokens}; cannot tell prefill from decode"

@@ -726,3 +726,22 @@ def test_a_recurrent_decode_graph_is_refused_for_generation_by_name(tmp_path):
     save_export(tmp_path, {name: by_target["dynamo"] for name, by_target in results.items()})
     with pytest.raises(HfExportError, match="carries a recurrent state .* not an attention cache"):
         ExportFolder(tmp_path).decoder(batch_size=1)
+
+
+def test_a_model_whose_generate_fails_with_a_static_cache_is_one_line(tmp_path):
+    # CPM-Ant adds 32 prompt ids of its own: generate overflowed the cache with an IndexError
+    import subprocess
+    import sys
+
+    from hfexport.models.tiny import build_tiny
+
+    build_tiny("cpmant").save_pretrained(tmp_path / "cpmant")
+    done = subprocess.run(
+        [sys.executable, "-m", "hfexport.cli", "export", str(tmp_path / "cpmant"), "--generation", "--format", "dynamo"]
+        + ["--out", str(tmp_path / "out"), "--max-cache-len", "32"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "generate failed on the sample prompt with the static cache of 32 tokens" in done.stderr
+    assert "rerun with --debug" not in done.stderr
