@@ -736,9 +736,9 @@ def test_a_model_whose_generate_fails_with_a_static_cache_is_one_line(tmp_path):
     from hfexport.models.tiny import build_tiny
 
     build_tiny("cpmant").save_pretrained(tmp_path / "cpmant")
+    command = ["export", str(tmp_path / "cpmant"), "--generation", "--format", "dynamo", "--out", str(tmp_path / "out")]
     done = subprocess.run(
-        [sys.executable, "-m", "hfexport.cli", "export", str(tmp_path / "cpmant"), "--generation", "--format", "dynamo"]
-        + ["--out", str(tmp_path / "out"), "--max-cache-len", "32"],
+        [sys.executable, "-m", "hfexport.cli", *command, "--max-cache-len", "32"],
         capture_output=True,
         text=True,
     )
