@@ -38,7 +38,7 @@ test-all: $(STAMP)
 # (type, target) pairs already in benchmarks/results/coverage/coverage.jsonl are skipped);
 # COVERAGE_ARGS="--only llama,bert --targets dynamo" narrows it
 coverage: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) benchmarks/coverage.py --jobs 1 --timeout 180 $(COVERAGE_ARGS)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/coverage.py --jobs 1 $(COVERAGE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfexport tests benchmarks
