@@ -545,6 +545,19 @@ def write_report(path: Path = DOC) -> None:
                 f"| {kind} | {len(by_kind[kind])} | " + " | ".join(total(by_kind[kind], c) for c in columns) + " |"
             )
     lines.append(f"| **all** | {len(runs)} | " + " | ".join(f"**{total(runs, c)}**" for c in columns) + " |")
+    behind = []
+    for target in TARGETS:
+        theirs = f"transformers:{target}"
+        for t in runs:
+            mine, other = rows.get((t, target)), rows.get((t, theirs))
+            if mine and other and other["status"] == "pass" and mine["status"] != "pass":
+                behind.append(f"{t} ({target}: {mine['status']})")
+    lines += [
+        "",
+        "Types that transformers' exporter passes and hfexport does not, on the same target: "
+        + (", ".join(behind) if behind else "none")
+        + ".",
+    ]
     lines += ["", "## Failure classes", ""]
     for column in columns:
         classes: dict[str, list[str]] = defaultdict(list)
