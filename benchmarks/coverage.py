@@ -98,7 +98,7 @@ def run_case(
     import torch
 
     torch.manual_seed(0)
-    from hfexport.models.samples import config_sample_inputs
+    from hfexport.models.samples import config_sample_inputs, with_rope_positions
     from hfexport.models.tiny import build_tiny, model_class, model_kind
 
     record: dict[str, Any] = {"type": model_type, "target": "eager"}
@@ -116,8 +116,9 @@ def run_case(
         return
     record["kind"] = model_kind(model, task)
     try:
-        inputs = config_sample_inputs(model)
-        second = config_sample_inputs(model, *SECOND_SHAPE, seed=1)
+        # what the command line's single-graph export takes (sample_inputs_for without a folder)
+        inputs = with_rope_positions(model, config_sample_inputs(model))
+        second = with_rope_positions(model, config_sample_inputs(model, *SECOND_SHAPE, seed=1))
         record["inputs"] = {k: list(v.shape) for k, v in inputs.items()}
         with torch.no_grad():
             eager = [t.detach().clone() for t in flat_tensors(model(**inputs))]

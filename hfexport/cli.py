@@ -159,7 +159,7 @@ def _export(args: argparse.Namespace) -> int:
         model, _ = in_dtype(model, {}, next(iter(dtypes)), configs)
     source = model_folder(args.model)
     task = args.task or infer_task(model.config)
-    inputs = sample_inputs_for(model, source, task, args.batch, args.seq, text_from_config=args.generation)
+    inputs = sample_inputs_for(model, source, task, args.batch, args.seq, generation=args.generation)
     print(f"task {task}; sample inputs: {_shapes(inputs)}", file=sys.stderr, flush=True)
     if not any(getattr(config, "dynamic", False) or config.dynamic_shapes for config in configs):
         print(f"static shapes: the program takes exactly {_shapes(inputs)}", file=sys.stderr, flush=True)

@@ -130,6 +130,7 @@ def _patched_state():
 
 def test_every_registered_patch_is_restored_after_a_failing_capture_and_decomposition(monkeypatch):
     import pytest
+    import transformers.models.mamba.modeling_mamba  # a target of selective_scan_as_scan_op
     import transformers.models.qwen2_vl.modeling_qwen2_vl  # noqa: F401  (a target of the vision patches)
 
     import hfexport.targets.onnx.lowering  # noqa: F401  (registers the to_onnx patch)

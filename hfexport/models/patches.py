@@ -70,37 +70,68 @@ def _sdpa_grouped_query_attention(original: Callable) -> Callable:
     return use_gqa_in_sdpa
 
 
+PACKED_ATTENTION_REASON = (
+    "a vision (or audio) tower packs every image's patches into one sequence and attends within each "
+    "image: without flash attention its code splits the sequence with cu_seqlens.tolist() and runs one "
+    "attention per image, whose data-dependent split sizes fail the trace (GuardOnDataDependentSymNode; "
+    "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V, ... share the code). The flash-attention branch passes "
+    "cu_seqlens to the attention function instead; SDPA over all patches with the block-diagonal mask "
+    "cu_seqlens draws computes the same attention"
+)
+
+
 @register_patch(
-    "transformers.models.qwen2_vl.modeling_qwen2_vl:VisionAttention.forward",
-    name="qwen2_vl_vision_attention_as_one_masked_sdpa",
-    reason=(
-        "the vision tower attends within each image by splitting the packed patches with "
-        "cu_seqlens.tolist() and running one attention per image; the split sizes are data-dependent "
-        "and the trace fails (GuardOnDataDependentSymNode). One SDPA over all patches with a "
-        "block-diagonal mask built from cu_seqlens computes the same attention"
-    ),
+    "transformers.models.*.modeling_*:is_flash_attention_requested",
+    name="packed_attention_branch",
+    reason=PACKED_ATTENTION_REASON,
     upstream="https://github.com/pytorch/pytorch/issues/158786",
 )
-def _qwen2_vl_vision_attention(original: Callable) -> Callable:
+def _packed_attention_branch(original: Callable) -> Callable:
     @functools.wraps(original)
-    def forward(
-        self: Any,
-        hidden_states: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        length = hidden_states.shape[0]
-        # [length, 3 * dim] -> three [length, heads, head_dim]
-        query, key, value = self.qkv(hidden_states).reshape(length, 3, self.num_heads, -1).unbind(1)
-        cos, sin = position_embeddings
-        query, key = sys.modules[type(self).__module__].apply_rotary_pos_emb_vision(query, key, cos, sin)
-        query, key, value = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-        mask = segment_mask(cu_seqlens, length)[None, None]
-        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling)
-        return self.proj(output[0].transpose(0, 1).reshape(length, -1))
+    def is_flash_attention_requested(config: Any = None, *args: Any, **kwargs: Any) -> bool:
+        if original(config, *args, **kwargs):
+            return True
+        # only where the caller attends over packed sequences (it holds their boundaries) with SDPA,
+        # whose function takes them below (packed_sequences_as_sdpa_masks)
+        caller = sys._getframe(1).f_locals
+        return "cu_seqlens" in caller and getattr(config, "_attn_implementation", None) == "sdpa"
 
-    return forward
+    return is_flash_attention_requested
+
+
+@register_patch(
+    "transformers.modeling_utils:AttentionInterface.get_interface",
+    name="packed_sequences_as_sdpa_masks",
+    reason=PACKED_ATTENTION_REASON,
+    upstream="https://github.com/pytorch/pytorch/issues/158786",
+)
+def _packed_sequences_as_sdpa_masks(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_interface(self: Any, attn_implementation: str, default: Callable) -> Callable:
+        found = original(self, attn_implementation, default)
+        if attn_implementation != "sdpa":
+            return found
+
+        def attention(
+            module: Any,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None = None,
+            *args: Any,
+            cu_seq_lens_q: torch.Tensor | None = None,
+            cu_seq_lens_k: torch.Tensor | None = None,
+            max_length_q: Any = None,
+            max_length_k: Any = None,
+            **kwargs: Any,
+        ) -> Any:
+            if cu_seq_lens_q is not None and attention_mask is None:
+                attention_mask = segment_mask(cu_seq_lens_q, query.shape[2])[None, None]
+            return found(module, query, key, value, attention_mask, *args, **kwargs)
+
+        return attention
+
+    return get_interface
 
 
 @register_patch(

@@ -33,29 +33,31 @@ def sample_inputs_for(
     batch: int = 2,
     seq: int = 8,
     seed: int = 0,
-    text_from_config: bool = False,
+    generation: bool = False,
 ) -> dict[str, Any]:
     """The sample an export traces: made by the folder's processors where it has them
     (:func:`processor_sample_inputs`), else from the model's config
     (:func:`hfexport.models.samples.config_sample_inputs`); inputs no processor makes (an
-    encoder-decoder's ``decoder_input_ids``) come from the config too. ``text_from_config``: a
-    text-only model's sample is a prompt from the config (random ids and an unpadded mask, plus an
-    encoder-decoder's ``decoder_*`` inputs): what ``--generation`` runs ``generate`` on once. It
-    leaves out inputs the decode loops never feed (GPT-2's optional ``token_type_ids``, which
-    would fix the decode graph's query length at one token)."""
-    from hfexport.models.samples import config_sample_inputs
+    encoder-decoder's ``decoder_input_ids``) come from the config too. A single-graph sample of a
+    model with multimodal rotary positions carries them (:func:`with_rope_positions`).
+
+    ``generation``: the prompt ``--generation`` runs ``generate`` on once. A text-only model's is
+    from the config (random ids and an unpadded mask, plus an encoder-decoder's ``decoder_*``
+    inputs), without the inputs the decode loops never feed (GPT-2's optional ``token_type_ids``,
+    which would fix the decode graph's query length at one token); generate computes the
+    positions itself."""
+    from hfexport.models.samples import config_sample_inputs, with_rope_positions
 
     from_config = config_sample_inputs(model, batch=batch, seq=seq, seed=seed)
     text_only = not ({"pixel_values", "input_features", "input_values"} & set(from_config))
-    if text_from_config and text_only:
+    if generation and text_only:
         prompt = ("input_ids", "attention_mask")
         return {name: value for name, value in from_config.items() if name in prompt or name.startswith("decoder_")}
-    if folder is None:
-        return from_config
-    made = processor_sample_inputs(model, folder, task, batch, seq, seed)
-    if made is None:
-        return from_config
-    return {**made, **{name: value for name, value in from_config.items() if name.startswith("decoder_")}}
+    made = processor_sample_inputs(model, folder, task, batch, seq, seed) if folder is not None else None
+    if made is not None:
+        made = {**made, **{name: value for name, value in from_config.items() if name.startswith("decoder_")}}
+    inputs = from_config if made is None else made
+    return inputs if generation else with_rope_positions(model, inputs)
 
 
 def processor_sample_inputs(

@@ -87,6 +87,36 @@ def config_sample_inputs(
     return inputs
 
 
+def with_rope_positions(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``inputs`` with ``position_ids`` made by the model's own ``get_rope_index`` when it has one
+    and the inputs hold images (Qwen2-VL, Qwen3-VL, GLM-4V, ...: three rotary sections whose positions
+    follow each image's grid). Left to the model, that function walks the ids in Python
+    (``tolist`` and ``groupby``), which no trace can follow; as an input, the program takes the
+    positions a caller computes with the same function."""
+    if "position_ids" in inputs or "input_ids" not in inputs or "position_ids" not in _forward_params(model):
+        return inputs
+    grids = {k: inputs[k] for k in ("image_grid_thw", "video_grid_thw") if k in inputs}
+    rope_index = getattr(getattr(model, "model", model), "get_rope_index", None)
+    if not grids or not callable(rope_index):
+        return inputs
+    token_types = inputs.get("mm_token_type_ids")
+    if token_types is None:
+        image_token = getattr(model.config, "image_token_id", None)
+        token_types = (inputs["input_ids"] == image_token).int() if image_token is not None else None
+    try:
+        with torch.no_grad():
+            positions, _ = rope_index(
+                inputs["input_ids"], mm_token_type_ids=token_types, attention_mask=inputs.get("attention_mask"), **grids
+            )
+    except Exception:  # another signature: the model computes its positions itself, as before
+        return inputs
+    return {**inputs, "position_ids": positions}
+
+
+def _forward_params(model: torch.nn.Module) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
 def _unmasked(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: value for name, value in inputs.items() if name != "attention_mask"}
 

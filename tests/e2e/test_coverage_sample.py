@@ -73,3 +73,15 @@ def test_a_model_returning_a_cache_outside_caches_hierarchy_exports():
     convention are registered as pytrees too."""
     rows = run_case("voxtral_realtime", ("dynamo",))
     assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
+
+
+def test_a_vision_tower_attending_within_each_image_exports():
+    """Qwen3-VL's vision tower splits its packed patches per image with cu_seqlens.tolist() (30-odd
+    modeling files share the code) and its text positions come from get_rope_index, which walks the
+    ids in Python: capture failed (GuardOnDataDependentSymNode). With the packed attention as one
+    masked SDPA and the positions an input, the program matches eager; the image count stays the
+    sample's (refused by name for another)."""
+    rows = run_case("qwen3_vl", ("dynamo",))
+    assert "position_ids" in rows["eager"]["inputs"]
+    assert rows["dynamo"]["diff"] is not None and rows["dynamo"]["diff"] <= coverage.TOLERANCE["dynamo"], rows
+    assert rows["dynamo"]["status"] == "pass" or "image_grid_thw" in rows["dynamo"]["cause"], rows

@@ -207,19 +207,25 @@ def test_non_mapping_inputs_are_rejected():
         DynamoExporter().export(model, (sample_inputs(model)["input_ids"],))
 
 
-def test_qwen2_vl_vision_attention_patch_matches_per_image_attention():
+def test_qwen2_vl_vision_attention_patch_matches_per_image_attention(monkeypatch):
     # two images of different sizes: the patched attention must keep each image to itself
     from models import build_qwen2_vl
 
+    import hfexport.models.patches as patches_module
     from hfexport.pipeline.patches import patches_applied
 
     model, _ = build_qwen2_vl()
     encoder = model.get_encoder(modality="image")
     grid = torch.tensor([[1, 2, 2], [1, 4, 4]])
     patches = torch.randn(20, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1))
+    masks = []
+    original = patches_module.segment_mask
+    monkeypatch.setattr(patches_module, "segment_mask", lambda *a: masks.append(a) or original(*a))
     with torch.no_grad():
         expected = encoder(patches, grid).pooler_output
-        with patches_applied(["qwen2_vl_vision_attention_as_one_masked_sdpa"]):
+        assert not masks
+        with patches_applied(["packed_attention_branch", "packed_sequences_as_sdpa_masks"]):
             patched = encoder(patches, grid).pooler_output
+    assert len(masks) == len(encoder.blocks)  # every block attended once over the packed patches
     assert patched.shape == (5, 64)
     torch.testing.assert_close(patched, expected, atol=1e-5, rtol=0)
