@@ -65,6 +65,20 @@ def _forward_parameters(module: torch.nn.Module) -> set[str]:
     }
 
 
+def _holds_cache(value: Any) -> bool:
+    """Whether a forward argument carries generation state: a transformers cache, or a legacy
+    tuple of past tensors (``mems``, ``past_key_values`` as tuples)."""
+    from transformers.cache_utils import Cache
+
+    if isinstance(value, Cache) or type(value).__name__.endswith("Cache"):
+        return True
+    return (
+        isinstance(value, (tuple, list))
+        and bool(value)
+        and all(isinstance(v, (torch.Tensor, tuple, list)) for v in value)
+    )
+
+
 def _clean(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Drop ``None`` values and call flags; keep what ``forward`` takes by name. The encoder's
     outputs become a plain tuple (see :func:`_plain_encoder_outputs`)."""
@@ -237,6 +251,12 @@ def decompose_for_generation(
     if len(calls) < new_tokens:
         raise HfExportError(
             f"generate made {len(calls)} forward calls, expected {new_tokens}; cannot tell prefill from decode"
+        )
+    if not any(_holds_cache(value) for value in _clean(model, calls[1]).values()):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} generates without a cache (each step runs the whole sequence again: "
+            "its forward takes no past keys and values), and hfexport's generation export is a cached decode "
+            "step; export it without --generation"
         )
     prefill = with_encoder_length_cross_attention(_with_prompt_mask(_clean(model, calls[0]), inputs))
     decode = calls[1]

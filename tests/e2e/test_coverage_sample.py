@@ -85,3 +85,17 @@ def test_a_vision_tower_attending_within_each_image_exports():
     assert "position_ids" in rows["eager"]["inputs"]
     assert rows["dynamo"]["diff"] is not None and rows["dynamo"]["diff"] <= coverage.TOLERANCE["dynamo"], rows
     assert rows["dynamo"]["status"] == "pass" or "image_grid_thw" in rows["dynamo"]["cause"], rows
+
+
+def test_a_multi_query_model_generates_on_executorch():
+    """GPT-BigCode keeps one key/value head: its cache laid out for the attention kernel kept the
+    strides of a size-one axis, from which ExecuTorch read another dim order than the rows written
+    into it (index_put_: "2 input tensors have different dim orders"); generate failed at run time."""
+    results = queue.Queue()
+    coverage.run_case("gpt_bigcode", [], [], ["generate:executorch"], results)
+    rows = {}
+    while not results.empty():
+        row = results.get_nowait()
+        rows[row["target"]] = row
+    assert rows["generate:executorch"]["status"] == "pass", rows["generate:executorch"]
+    assert len(set(rows["generate:executorch"]["expected"])) >= 3  # varied tokens, not one repeated

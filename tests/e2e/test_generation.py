@@ -745,3 +745,15 @@ def test_a_model_whose_generate_fails_with_a_static_cache_is_one_line(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "generate failed on the sample prompt with the static cache of 32 tokens" in done.stderr
     assert "rerun with --debug" not in done.stderr
+
+
+def test_a_model_generating_without_a_cache_is_refused_by_name():
+    # GPT-1 takes no past keys and values: each step reran the whole sequence, and the decode
+    # capture failed on a shape mismatch between two symbolic lengths
+    from hfexport import UnsupportedModelError
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("openai-gpt")
+    prompt = {"input_ids": torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(0))}
+    with pytest.raises(UnsupportedModelError, match="generates without a cache"):
+        decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)

@@ -261,6 +261,11 @@ def cache_as_program_state(program: torch.export.ExportedProgram, sample: dict[s
     return sorted(state.values())
 
 
+def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with the row-major strides of its shape, size-one axes included."""
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def state_in_attention_layout(program: torch.export.ExportedProgram) -> int:
     """Lay out each state buffer that the program reads only as ``attention_as_custom_sdpa`` hands
     a cache to the fused kernel, its first keys transposed from ``[batch, heads, length, dim]`` to
@@ -298,7 +303,10 @@ def state_in_attention_layout(program: torch.export.ExportedProgram) -> int:
         reads = [user for user in write.users if user.op != "output"]
         if len(indices) != 3 or indices[:2] != [None, None] or not reads or not all(map(first_keys, reads)):
             continue
-        initial = program.state_dict[spec.target].permute(swap).contiguous()
+        # clone, not contiguous(): with one head (multi-query attention) the permuted tensor counts
+        # as contiguous and keeps its strides, from which ExecuTorch reads another dim order than the
+        # rows written into it have ("2 input tensors have different dim orders" in index_put_)
+        initial = _contiguous(program.state_dict[spec.target].permute(swap))
         program.state_dict[spec.target] = initial
         fake_mode = buffer.meta["val"].fake_mode
         buffer.meta[INPUT_SHAPE] = [int(size) for size in buffer.meta["val"].shape]
@@ -309,7 +317,7 @@ def state_in_attention_layout(program: torch.export.ExportedProgram) -> int:
             with graph.inserting_before(write):
                 node = graph.call_function(exir_ops.edge.aten.permute_copy.default, (rows, swap))
             with fake_mode:
-                node.meta["val"] = rows.meta["val"].permute(swap).contiguous()
+                node.meta["val"] = _contiguous(rows.meta["val"].permute(swap))
             rows = node
         write.args = (buffer, [None, indices[2]], rows, *write.args[3:])
         write.meta["val"] = fake_mode.from_tensor(initial, static_shapes=True)
