@@ -79,6 +79,28 @@ def _holds_cache(value: Any) -> bool:
     )
 
 
+def _returns_cache(model: torch.nn.Module, prefill: dict[str, Any]) -> bool:
+    """Whether ``model`` hands back a cache from its prefill when asked to (``use_cache=True``
+    with no cache given), as generate asks it. One that does not (a BERT-style model with
+    ``is_decoder=False``) runs the whole sequence again at each step under generate. The probe
+    takes the prefill's token-level inputs only (generate's masks are sized to its cache); where
+    it cannot run, the recorded calls decide."""
+    if "use_cache" not in _forward_parameters(model):
+        return True
+    kwargs = {
+        k: v
+        for k, v in copy_inputs(prefill).items()
+        if k != "cache_position" and ((isinstance(v, torch.Tensor) and v.dim() <= 2) or k == "encoder_outputs")
+    }
+    try:
+        with torch.no_grad():
+            output = model(**kwargs, use_cache=True)
+    except Exception:
+        return True
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else ()
+    return any(_holds_cache(v) for v in values)
+
+
 def _clean(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Drop ``None`` values and call flags; keep what ``forward`` takes by name. The encoder's
     outputs become a plain tuple (see :func:`_plain_encoder_outputs`)."""
@@ -257,6 +279,13 @@ def decompose_for_generation(
             f"{type(model).__name__} generates without a cache (each step runs the whole sequence again: "
             "its forward takes no past keys and values), and hfexport's generation export is a cached decode "
             "step; export it without --generation"
+        )
+    if not _returns_cache(model, _clean(model, calls[0])):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} returns no cache from its forward with this config (generate runs the whole "
+            "sequence again at each step; a BERT-style model with is_decoder=False attends both ways), and "
+            "hfexport's generation export is a cached decode step; export it without --generation, or set "
+            "is_decoder=True in the config if the checkpoint is a decoder"
         )
     prefill = with_encoder_length_cross_attention(_with_prompt_mask(_clean(model, calls[0]), inputs))
     decode = calls[1]

@@ -757,3 +757,18 @@ def test_a_model_generating_without_a_cache_is_refused_by_name():
     prompt = {"input_ids": torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(0))}
     with pytest.raises(UnsupportedModelError, match="generates without a cache"):
         decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)
+
+
+def test_a_model_returning_no_cache_is_refused_by_name():
+    # BertGenerationDecoder with is_decoder=False attends both ways and returns no cache, so
+    # generate reruns the whole sequence; a cached decode step gave other tokens, silently
+    from hfexport import UnsupportedModelError
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("bert-generation")
+    assert not model.config.is_decoder
+    prompt = {"input_ids": torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(0))}
+    with pytest.raises(UnsupportedModelError, match="returns no cache from its forward"):
+        decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)
+    model.config.is_decoder = True  # the decoder a real checkpoint is: exported as before
+    assert set(decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)) == {"prefill", "decode"}
