@@ -135,13 +135,16 @@ class StaticCacheDecoder:
                 tensor.zero_()
 
 
-class OneTokenAtATime:
-    """A decode ``step`` (see :func:`greedy_decode`) over a decode program that takes one token
-    per call (a recurrent model's, or one exported with a query of one): the prompt goes in
-    token by token. Other attributes (``reset``, ``max_cache_len``) are the wrapped step's."""
+class PromptInChunks:
+    """A decode ``step`` (see :func:`greedy_decode`) over a decode program that takes at most
+    ``size`` tokens per call (one: a recurrent model's, or one exported with a query of one; a
+    few: a model whose convolution state update takes fewer tokens than its kernel): the prompt
+    goes in ``size`` tokens at a time. Other attributes (``reset``, ``max_cache_len``) are the
+    wrapped step's."""
 
-    def __init__(self, step: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, step: Callable[..., torch.Tensor], size: int = 1) -> None:
         self.step = step
+        self.size = size
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.step, name)
@@ -151,9 +154,10 @@ class OneTokenAtATime:
     ) -> torch.Tensor:
         # the mask's causal part hides the slots of the prompt tokens not fed yet
         per_token = isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[1] > 1
-        for index in range(input_ids.shape[1]):
-            position = positions[:, index : index + 1] if per_token else positions
-            logits = self.step(input_ids[:, index : index + 1], valid, slots[index : index + 1], position)
+        for start in range(0, input_ids.shape[1], self.size):
+            end = start + self.size
+            position = positions[:, start:end] if per_token else positions
+            logits = self.step(input_ids[:, start:end], valid, slots[start:end], position)
         return logits
 
 

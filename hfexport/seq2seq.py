@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hfexport.errors import HfExportError
-from hfexport.generation import Generation, OneTokenAtATime, TokenStream, decode_mask, greedy_decode
+from hfexport.generation import Generation, PromptInChunks, TokenStream, decode_mask, greedy_decode
 
 # generation-config settings that change greedy tokens and that this loop does not apply: refused
 # (the default value of each is what it has when unset)
@@ -363,7 +363,7 @@ class EncoderDecoderGenerator:
         step = _Processed(self.start(encoded), self, len(prompt), len(prompt) + max_new_tokens)
         prompt_ids = torch.tensor([prompt] * batch, dtype=torch.long)
         if not self.query_dynamic:
-            step = OneTokenAtATime(step)
+            step = PromptInChunks(step)
         pad = self.generation_config.pad_token_id
         return greedy_decode(
             step,

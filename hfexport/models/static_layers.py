@@ -22,10 +22,6 @@ from transformers import cache_utils
 
 from hfexport.pipeline.patches import register_patch
 
-# Layer types whose static layer is a window over the sequence (cache_utils.get_layer_types_and_kwargs
-# gives each a ``sliding_window``); chunked attention needs chunk masks and is not covered.
-SLIDING_LAYER_TYPES = ("sliding_attention", "hybrid_sliding")
-
 
 class WindowedStaticLayer(cache_utils.StaticLayer):
     """A full-length static layer of a sliding-window attention layer: its mask, not its size,
@@ -36,6 +32,21 @@ class WindowedStaticLayer(cache_utils.StaticLayer):
     def __init__(self, max_cache_len: int, sliding_window: int, **kwargs: Any) -> None:
         super().__init__(max_cache_len=max_cache_len)
         self.sliding_window = sliding_window
+
+
+class WindowedHybridStaticLayer(cache_utils.LinearAttentionAndStaticFullAttentionLayer):
+    """:class:`WindowedStaticLayer` for a ``hybrid_sliding`` layer, which also holds a linear
+    attention's conv and recurrent states (the layer it stands for,
+    ``LinearAttentionAndStaticSlidingWindowAttentionLayer``, does too)."""
+
+    is_sliding = True
+
+    def __init__(self, max_cache_len: int, sliding_window: int, number_of_states: int = 1, **kwargs: Any) -> None:
+        super().__init__(max_cache_len=max_cache_len, number_of_states=number_of_states)
+        self.sliding_window = sliding_window
+
+
+WINDOWED_LAYERS = {"sliding_attention": WindowedStaticLayer, "hybrid_sliding": WindowedHybridStaticLayer}
 
 
 class EncoderLengthStaticLayer(cache_utils.StaticLayer):
@@ -73,7 +84,9 @@ def with_encoder_length_cross_attention(kwargs: dict[str, Any]) -> dict[str, Any
     upstream="https://github.com/huggingface/transformers/blob/v5.24.0/src/transformers/cache_utils.py",
 )
 def _full_length_sliding_layers(mapping: dict[str, type]) -> dict[str, type]:
-    return {**mapping, **{name: WindowedStaticLayer for name in SLIDING_LAYER_TYPES if name in mapping}}
+    # layer types whose static layer is a window over the sequence (cache_utils.get_layer_types_and_kwargs
+    # gives each a ``sliding_window``); chunked attention needs chunk masks and is not covered
+    return {**mapping, **{name: layer for name, layer in WINDOWED_LAYERS.items() if name in mapping}}
 
 
 def attention_windows(inputs: Any) -> dict[str, int]:
@@ -84,6 +97,6 @@ def attention_windows(inputs: Any) -> dict[str, int]:
     for value in values:
         for cache in (value, getattr(value, "self_attention_cache", None)):
             for layer in getattr(cache, "layers", ()):
-                if isinstance(layer, WindowedStaticLayer):
+                if isinstance(layer, tuple(WINDOWED_LAYERS.values())):
                     windows["sliding_attention"] = int(layer.sliding_window)
     return windows

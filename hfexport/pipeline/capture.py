@@ -153,9 +153,9 @@ def auto_dynamic_shapes(
         return None
 
     def without(spec: Any, fixed: set[int]) -> Any:
-        if isinstance(spec, dict) and all(isinstance(key, int) for key in spec):  # one tensor's axes
-            return {axis: dim for axis, dim in spec.items() if axis not in fixed}
-        if isinstance(spec, dict):  # a dict of tensors (per-layer-type masks)
+        if isinstance(spec, dict) and not any(isinstance(item, (dict, list, tuple)) for item in spec.values()):
+            return {axis: dim for axis, dim in spec.items() if axis not in fixed}  # one tensor's axes
+        if isinstance(spec, dict):  # a dict of tensors (per-layer-type masks, an SSM layer's {state: tensor})
             return {key: without(item, fixed) for key, item in spec.items()}
         if isinstance(spec, list):  # a cache's children
             return [without(item, fixed) for item in spec]

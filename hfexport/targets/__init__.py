@@ -238,11 +238,16 @@ class ExportFolder:
                 "cache; hfexport's decode loops run attention caches only: run the folder's prefill and decode "
                 "programs yourself"
             )
+        from hfexport.generation import PromptInChunks
+
         if ids is not None and 1 not in ids.dynamic and ids.shape[1] == 1:
             # one token per step (a recurrent state cannot take several at once): the prompt too
-            from hfexport.generation import OneTokenAtATime
-
-            return OneTokenAtATime(self.target.decoder(self.folder, self.manifest, batch_size, self.trust))
+            return PromptInChunks(self.target.decoder(self.folder, self.manifest, batch_size, self.trust))
+        most = ids.dynamic[1][1] if ids is not None and 1 in ids.dynamic else None
+        if most is not None:
+            # a bounded query (the cache length; Inkling's convolution states take fewer tokens than
+            # the kernel at once): a longer prompt goes in pieces
+            return PromptInChunks(self.target.decoder(self.folder, self.manifest, batch_size, self.trust), most)
         if ids is not None and 1 not in ids.dynamic:
             raise HfExportError(
                 f"the decode graph in {self.folder} takes exactly {ids.shape[1]} query tokens (exported with static "

@@ -35,7 +35,9 @@ class InputSpec:
     (axes of several inputs with one expression must have one size). A constant input (a flag such
     as ``use_cache``) has ``constant`` set and is not fed. ``written``: the program updates this
     input in place. ``state``: the program keeps this tensor inside (an ExecuTorch program's static
-    cache): it is not fed, and its shape and dtype say what the program holds."""
+    cache): it is not fed, and its shape and dtype say what the program holds. ``none``: the program
+    takes None there (a layer type's mask the step does not use): not fed; an ExecuTorch method
+    still has the slot."""
 
     name: str
     path: str
@@ -46,6 +48,7 @@ class InputSpec:
     constant: Any = None
     dims: dict[int, str] = field(default_factory=dict)
     state: bool = False
+    none: bool = False
 
 
 @dataclass
@@ -78,7 +81,7 @@ class ComponentSpec:
     @property
     def fed(self) -> list[InputSpec]:
         """The inputs a caller feeds (constants and program state excluded), in the program's order."""
-        return [spec for spec in self.inputs if spec.constant is None and not spec.state]
+        return [spec for spec in self.inputs if spec.constant is None and not spec.state and not spec.none]
 
     @property
     def returned(self) -> list[OutputSpec]:
@@ -181,6 +184,9 @@ def program_inputs(
     specs = []
     for path, spec in zip(paths, user, strict=True):
         if isinstance(spec.arg, ConstantArgument):
+            if spec.arg.value is None:  # a layer type's absent mask: nothing to feed, but a slot
+                specs.append(InputSpec(name=path, path=path, none=True))
+                continue
             specs.append(InputSpec(name=path, path=path, constant=_jsonable(spec.arg.value)))
             continue
         is_written = spec.arg.name in written

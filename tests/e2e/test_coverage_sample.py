@@ -31,10 +31,13 @@ SAMPLE = {
 REFUSED = {("mamba", "executorch"): "recurrence (a scan)"}
 
 
-def run_case(model_type: str, targets: tuple[str, ...] = coverage.TARGETS) -> dict[str, dict]:
-    """The sweep's case in this process: ``{target: row}`` (``"eager"`` included)."""
+def run_case(
+    model_type: str, targets: tuple[str, ...] = coverage.TARGETS, generation: tuple[str, ...] = ()
+) -> dict[str, dict]:
+    """The sweep's case in this process: ``{target: row}`` (``"eager"`` included); ``generation``:
+    the ``generate:<target>`` cases to run too."""
     results = queue.Queue()
-    coverage.run_case(model_type, list(targets), [], [], results)
+    coverage.run_case(model_type, list(targets), [], list(generation), results)
     rows = {}
     while not results.empty():
         row = results.get_nowait()
@@ -91,11 +94,19 @@ def test_a_multi_query_model_generates_on_executorch():
     """GPT-BigCode keeps one key/value head: its cache laid out for the attention kernel kept the
     strides of a size-one axis, from which ExecuTorch read another dim order than the rows written
     into it (index_put_: "2 input tensors have different dim orders"); generate failed at run time."""
-    results = queue.Queue()
-    coverage.run_case("gpt_bigcode", [], [], ["generate:executorch"], results)
-    rows = {}
-    while not results.empty():
-        row = results.get_nowait()
-        rows[row["target"]] = row
+    rows = run_case("gpt_bigcode", (), ("generate:executorch",))
     assert rows["generate:executorch"]["status"] == "pass", rows["generate:executorch"]
     assert len(set(rows["generate:executorch"]["expected"])) >= 3  # varied tokens, not one repeated
+
+
+def test_a_hybrid_model_with_windowed_and_linear_attention_generates_on_every_target():
+    """Inkling 2's layers hold both attention keys and a linear attention's convolution states
+    (``hybrid_sliding``): the full-length windowed static layer had dropped the convolution states
+    ("Cannot get conv state for non linear attention layer"), the dynamic shapes of its
+    ``{state: tensor}`` dict were read as one tensor's axes, its decode step's unused mask (None)
+    was counted as an input, and its decode takes at most three tokens at once."""
+    generation = tuple(f"generate:{t}" for t in coverage.TARGETS)
+    rows = run_case("inkling2_text", (), generation)
+    for target in generation:
+        assert rows[target]["status"] == "pass", rows[target]
+        assert len(set(rows[target]["expected"])) >= 3, rows[target]

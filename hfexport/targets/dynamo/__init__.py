@@ -148,11 +148,14 @@ class DynamoDecoder(StaticCacheDecoder):
         register_cache_pytrees()
         _, example = program.example_inputs
         mask = example["attention_mask"]
+        # a layer type the decode step passes no mask (Inkling's linear attention: None) gets None
+        self.no_masks = {key: None for key, value in mask.items() if value is None} if isinstance(mask, dict) else {}
         if isinstance(mask, dict):
-            dtypes = {f"attention_mask.{key}": value.dtype for key, value in mask.items()}
+            dtypes = {f"attention_mask.{key}": value.dtype for key, value in mask.items() if value is not None}
         else:
             dtypes = {"attention_mask": mask.dtype}
-        self.masks = DecodeMasks(list(mask) if isinstance(mask, dict) else None, attention_windows(example), dtypes)
+        types = [key for key in mask if key not in self.no_masks] if isinstance(mask, dict) else None
+        self.masks = DecodeMasks(types, attention_windows(example), dtypes)
         passed = {"input_ids", "attention_mask", "position_ids", "cache"}
         self.constants = {k: v for k, v in example.items() if k not in passed}
         self.cache = pytree.tree_map(
@@ -162,13 +165,17 @@ class DynamoDecoder(StaticCacheDecoder):
         self.max_cache_len = max(t.shape[2] for t in pytree.tree_leaves(self.cache) if t.dim() == 4)
         self.module = program.module()
 
+    def _masks(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
+        masks = self.masks.structured(valid, query_slots)
+        return {**masks, **self.no_masks} if self.no_masks else masks
+
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
         with torch.no_grad():
             out = self.module(
                 input_ids=input_ids,
-                attention_mask=self.masks.structured(valid, query_slots),
+                attention_mask=self._masks(valid, query_slots),
                 position_ids=position_ids,
                 cache=self.cache,
                 **self.constants,

@@ -86,13 +86,16 @@ class ExecutorchRunner(Runner):
             )
             raise ArtifactError(f"the ExecuTorch runtime cannot load {where} ({text}); {cause}") from error
         meta = self.method.metadata
-        self.upper_bounds = [tuple(meta.input_tensor_meta(i).sizes()) for i in range(meta.num_inputs())]
-        self.fed = spec.fed  # the manifest's inputs in the method's order (checked on every step)
-        if len(spec.fed) != len(self.upper_bounds):
+        slots = [i for i in spec.inputs if i.constant is None and not i.state]  # the method's inputs
+        if len(slots) != meta.num_inputs():
             raise HfExportError(
-                f"the program takes {len(self.upper_bounds)} inputs but its manifest lists {len(spec.fed)} "
-                f"({', '.join(i.name for i in spec.fed)}); export again"
+                f"the program takes {meta.num_inputs()} inputs but its manifest lists {len(slots)} "
+                f"({', '.join(i.name for i in slots)}); export again"
             )
+        self.none_slots = [index for index, i in enumerate(slots) if i.none]  # fed None
+        fed_slots = [index for index, i in enumerate(slots) if not i.none]
+        self.upper_bounds = [tuple(meta.input_tensor_meta(i).sizes()) for i in fed_slots]
+        self.fed = spec.fed  # the manifest's inputs in the method's order (checked on every step)
         super().__init__(spec)
 
     def check_planned(self, values: list[Any], indices: Sequence[int] | None = None) -> None:
@@ -139,8 +142,11 @@ class ExecutorchRunner(Runner):
         next call (``executorch.runtime.Method.execute`` always clones, with torch: its pybindings
         method takes the flag); with ``clone_outputs`` the tensors are copied out as
         :func:`_copied` does."""
+        slots = list(values)
+        for index in self.none_slots:
+            slots.insert(index, None)
         try:
-            outputs = self.method._method(values, clone_outputs=False)
+            outputs = self.method._method(slots, clone_outputs=False)
             if not clone_outputs:
                 return outputs
             return [_copied(value) if isinstance(value, torch.Tensor) else value for value in outputs]

@@ -316,7 +316,8 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
     ``onnx_type_promotion_from_metadata`` patch)."""
     require_backend("onnx", ONNX_MODULES)
     program = own_weights(program)
-    fed = [i.path for i in program_inputs(program, None) if i.constant is None]  # flags are not ONNX inputs
+    # flags and None leaves are not ONNX inputs
+    fed = [i.path for i in program_inputs(program, None) if i.constant is None and not i.none]
     with (
         _quiet_torch_onnx(),
         patches_applied(["onnx_functional_without_retrace", "onnx_type_promotion_from_metadata"], scope=None),
@@ -341,7 +342,7 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
     # which inputs are written in place is read off the functionalised program torch.onnx translated
     spec = onnx_component(onnx_program.exported_program)
     graph = onnx_program.model.graph
-    names = [i.name for i in spec.inputs if i.constant is None]
+    names = [i.name for i in spec.inputs if i.constant is None and not i.none]
     if len(graph.inputs) != len(names):
         from hfexport.errors import StageError
 
