@@ -55,6 +55,9 @@ def _check(node: Node) -> str | None:
         return "query heads not a multiple of the key/value heads"
     if kv_heads != heads and not args.get("enable_gqa"):
         return "fewer key/value heads without enable_gqa"
+    if k.shape[-1] != v.shape[-1]:
+        # the kernel asserts equal key and value caches (MiniCPM3's and DeepSeek's MLA differ)
+        return "keys and values of different head sizes"
     if _custom_sdpa() is None:
         return "this ExecuTorch build has no LLM custom ops (executorch.extension.llm.custom_ops)"
     return None

@@ -7,12 +7,13 @@ afterwards, or to observe a run:
 - ``"capture"``: around ``torch.export`` (:func:`hfexport.pipeline.capture.capture`);
 - ``"generate"``: around the ``model.generate`` run of the generation decomposition;
 - ``"to_onnx"``: around ``torch.onnx.export`` in the ONNX lowering
-  (:func:`hfexport.targets.onnx.lowering.to_onnx`).
+  (:func:`hfexport.targets.onnx.lowering.to_onnx`);
+- ``"to_edge"``: around ExecuTorch's edge conversion (:func:`hfexport.targets.executorch.lowering.to_edge`).
 
 Each patch carries its reason and the upstream issue. :func:`patches_applied` restores every
 target on every path, errors included. A workaround that can be done on the graph is a pass, not
 a patch. The registry knows no model: the patches themselves are registered by
-:mod:`hfexport.models.patches` (and the ``"to_onnx"`` one by the ONNX lowering).
+:mod:`hfexport.models.patches` (the ``"to_onnx"`` and ``"to_edge"`` ones by the lowerings).
 
 Patches are process-global, and so is the state ``torch.export`` keeps while it traces (its
 dispatch-mode stack: two captures in two threads fail with "Trying to pop empty mode stack"). So
@@ -35,7 +36,7 @@ from typing import Any
 from hfexport.errors import ConfigError
 
 _MISSING = object()
-SCOPES = ("capture", "generate", "to_onnx")
+SCOPES = ("capture", "generate", "to_onnx", "to_edge")
 EXPORT_LOCK = threading.RLock()
 
 

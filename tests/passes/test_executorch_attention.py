@@ -61,6 +61,14 @@ def test_what_the_kernel_cannot_take_is_left_and_counted():
     assert "missed: no boolean mask" in result.files["rewrites.md"]
     assert count(result.program, aten.scaled_dot_product_attention.default) == 1
 
+    # MiniCPM3's MLA: values narrower than keys, which the kernel asserts against ("Key cache and
+    # value cache must have same size") where the pass had rewritten it
+    narrow = torch.randn(1, 2, 6, 4)
+    program = torch.export.export(Attention(), (q[:1], k[:1], narrow, mask[:1]))
+    result = get_pass("attention_as_custom_sdpa")(program)
+    assert result.counts == {"rewritten": 0, "missed": 1}
+    assert "missed: keys and values of different head sizes" in result.files["rewrites.md"]
+
 
 def test_the_kernel_reads_only_the_keys_up_to_the_last_visible_one():
     """A static cache's slots past the last key any query sees are not read: what they hold (NaN

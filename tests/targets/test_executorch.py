@@ -323,3 +323,46 @@ def test_an_unsqueeze_over_two_dynamic_axes_stays_out_of_xnnpack(tmp_path):
     for shape in [(2, 8), (3, 13)]:
         x = torch.randn(*shape)
         torch.testing.assert_close(torch.as_tensor(runner.run({"x": x})[0]), model(x), atol=1e-5, rtol=0)
+
+
+class _GroupMax(torch.nn.Module):
+    """A router's max over the group axis of a 4-D tensor (HY-V4, MiMo-V2-Flash)."""
+
+    def forward(self, x):
+        return torch.max(x, dim=1, keepdim=True).values + x
+
+
+def test_a_max_over_an_outer_axis_stays_out_of_xnnpack(tmp_path):
+    # XNNPACK's max.dim config checks the rank only, and its visitor then refused the axis: "amax.default
+    # only supports dim == 2 or dim == 3" failed the delegate stage
+    model = _GroupMax()
+    x = torch.randn(2, 4, 3, 8)
+    save_export(tmp_path, {"model": ExecutorchExporter().run(model, {"x": x}, ExecutorchConfig())})
+    runner = ExportFolder(tmp_path).runner()
+    torch.testing.assert_close(torch.as_tensor(runner.run({"x": x})[0]), model(x), atol=1e-6, rtol=0)
+
+
+class _HeadSplitLinear(torch.nn.Module):
+    """A linear over part of each attention head (MiniCPM3's rotary half of a query head), whose
+    input strides hold the length: [1, heads, length, 8] with strides (64 length, 16, 64, 1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(5, 8))
+
+    def forward(self, x):
+        heads = x.view(x.shape[0], x.shape[1], 4, 16).transpose(1, 2)
+        return torch.nn.functional.linear(heads[..., :8], self.weight)
+
+
+def test_a_linear_over_strided_heads_keeps_the_length_dynamic(tmp_path):
+    # to_edge's matmul decomposition compared the input's strides with guard_or_false, which guards
+    # on a backed size: 16 == 8 * length held for the sample's 2, and the program took 2 only
+    # (MiniCPM3's, HY-V4's and Phi's decode steps refused one token)
+    model = _HeadSplitLinear()
+    config = ExecutorchConfig(dynamic=True, max_batch_size=1)
+    save_export(tmp_path, {"model": ExecutorchExporter().run(model, {"x": torch.randn(1, 2, 64)}, config)})
+    runner = ExportFolder(tmp_path).runner()
+    for length in (2, 7):
+        x = torch.randn(1, length, 64)
+        torch.testing.assert_close(torch.as_tensor(runner.run({"x": x})[0]), model(x), atol=1e-5, rtol=1e-5)

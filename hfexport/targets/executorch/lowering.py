@@ -9,9 +9,11 @@ checks inputs against those bounds before running.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from hfexport.configs import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN
 from hfexport.errors import ConfigError, UnsupportedModelError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
 from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.pipeline.patches import patches_applied, register_patch
 from hfexport.pipeline.pipeline import PipelineRun
 from hfexport.targets.manifest import (
     INPUT_SHAPE,
@@ -83,33 +86,48 @@ def partitioners(backend: str) -> list[Any]:
     if backend == "xnnpack":
         from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
         from executorch.backends.xnnpack.partition.config.generic_node_configs import UnsqueezeCopyConfig
+        from executorch.backends.xnnpack.partition.config.node_configs import MaxDimConfig
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
-        configs = [
-            _unsqueeze_config(UnsqueezeCopyConfig) if c is UnsqueezeCopyConfig else c for c in ALL_PARTITIONER_CONFIGS
-        ]
-        return [XnnpackPartitioner(configs=configs)]
+        stricter = {
+            UnsqueezeCopyConfig: _refusing(UnsqueezeCopyConfig, _two_dynamic_axes),
+            MaxDimConfig: _refusing(MaxDimConfig, _max_over_an_outer_axis),
+        }
+        return [XnnpackPartitioner(configs=[stricter.get(c, c) for c in ALL_PARTITIONER_CONFIGS])]
     if backend == "portable":
         return []
     raise ConfigError(f"ExecuTorch backend {backend!r} is not supported by this lowering; use 'xnnpack' or 'portable'")
 
 
-def _unsqueeze_config(base: type) -> type:
-    """XNNPACK's ``unsqueeze_copy`` config, also refusing an output with two or more dynamic
-    axes: XNNPACK lowers unsqueeze as a static reshape, which takes one dynamic axis, and its
-    partitioner claims the node without checking, so the ``delegate`` stage failed ("XNNPACK
-    reshape only supports 1 dynamic dimension") where the node could run as a portable kernel
-    (pytorch/executorch#11449; the config came with pytorch/executorch#19261)."""
+def _refusing(base: type, refused: Callable[[torch.fx.Node], bool]) -> type:
+    """XNNPACK's partitioner config ``base``, also refusing the nodes ``refused`` names (they run
+    as portable kernels instead): nodes XNNPACK's partitioner claims and its node visitor then
+    cannot lower, which failed the whole ``delegate`` stage."""
+
+    class Stricter(base):  # type: ignore[misc, valid-type]
+        def check_constraints(self, node: torch.fx.Node, ep: Any) -> bool:
+            return not refused(node) and super().check_constraints(node, ep)
+
+    Stricter.__name__ = Stricter.__qualname__ = f"{base.__name__}Checked"
+    return Stricter
+
+
+def _two_dynamic_axes(node: torch.fx.Node) -> bool:
+    """An output with two or more dynamic axes: XNNPACK lowers unsqueeze as a static reshape,
+    which takes one ("XNNPACK reshape only supports 1 dynamic dimension"; pytorch/executorch#11449,
+    the config came with pytorch/executorch#19261)."""
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
-    class UnsqueezeCopyOneDynamicAxis(base):  # type: ignore[misc, valid-type]
-        def check_constraints(self, node: torch.fx.Node, ep: Any) -> bool:
-            value = node.meta.get("val")
-            if value is not None and sum(bool(free_symbols(size)) for size in value.shape) > 1:
-                return False
-            return super().check_constraints(node, ep)
+    value = node.meta.get("val")
+    return value is not None and sum(bool(free_symbols(size)) for size in value.shape) > 1
 
-    return UnsqueezeCopyOneDynamicAxis
+
+def _max_over_an_outer_axis(node: torch.fx.Node) -> bool:
+    """A ``max.dim`` over an axis other than 2 or 3 as written: the config checks the rank (4) but
+    not the axis, and XNNPACK's visitor (``operators/op_max_dim.py``) refuses it ("amax.default only
+    supports dim == 2 or dim == 3"; a negative axis is refused there too). MoE routers (HY-V4,
+    MiMo-V2-Flash) take the max over their group axis."""
+    return len(node.args) < 2 or node.args[1] not in (2, 3)
 
 
 def refuse_scans_over_a_dynamic_state(program: torch.export.ExportedProgram) -> None:
@@ -133,6 +151,32 @@ def refuse_scans_over_a_dynamic_state(program: torch.export.ExportedProgram) -> 
                 )
 
 
+@register_patch(
+    "torch._decomp.decompositions:should_fold",
+    name="matmul_fold_without_guards",
+    reason=(
+        "to_edge's decomposition of a 3-D by 2-D matmul asks whether the left operand folds into a matrix "
+        "by comparing its strides with guard_or_false, which on a backed symbol guards on the sample's "
+        "size: a decode step's query length (MiniCPM3, HY-V4, Phi) became the sample's 2 and the program "
+        "refused one token. With a symbolic size or stride the matmul takes the batched path instead, "
+        "which holds for every size (the choice is one of speed, not of result)"
+    ),
+    upstream="https://github.com/pytorch/pytorch/pull/159184",
+    scope="to_edge",
+)
+def _fold_without_guards(original: Any) -> Any:
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    @functools.wraps(original)
+    def should_fold(tensor1: torch.Tensor, tensor2: torch.Tensor, is_out: bool) -> bool:
+        left = tensor1 if tensor1.ndim >= tensor2.ndim else tensor2
+        if any(free_symbols(size) for size in (*left.shape, *left.stride())):
+            return False
+        return original(tensor1, tensor2, is_out)
+
+    return should_fold
+
+
 def to_edge(
     program: torch.export.ExportedProgram, partitioners: list[Any], state_from: dict[str, Any] | None = None
 ) -> Any:
@@ -150,7 +194,7 @@ def to_edge(
     # Decompose SDPA with the math backend: the CPU fused kernel's decomposition lays its output
     # out differently from what capture recorded, and a view after it (GPT-2's Conv1D) then
     # fails with "Cannot view a tensor with shape ... and strides ..." (pytorch/pytorch#136543).
-    with sdpa_kernel(SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH), patches_applied(["matmul_fold_without_guards"], scope=None):
         edge = _gen_edge_manager_for_partitioners({"forward": partitioners}, {"forward": program}, config, None, False)
     program = edge.exported_program()
     drop_same_layout_copies(program)
