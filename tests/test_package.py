@@ -129,16 +129,27 @@ def _patched_state():
 
 
 def test_every_registered_patch_is_restored_after_a_failing_capture_and_decomposition(monkeypatch):
+    import executorch.exir.program._program as executorch_program
     import pytest
     import transformers.models.mamba.modeling_mamba  # a target of selective_scan_as_scan_op
-    import transformers.models.qwen2_vl.modeling_qwen2_vl  # noqa: F401  (a target of the vision patches)
+    import transformers.models.qwen2_vl.modeling_qwen2_vl
+    import transformers.models.rwkv.modeling_rwkv  # noqa: F401  (a target of rwkv_recurrence_as_scan_op)
 
+    import hfexport.targets.executorch.lowering
     import hfexport.targets.onnx.lowering  # noqa: F401  (registers the to_onnx patch)
-    from hfexport import PATCHES, CaptureError, DynamoExporter, HfExportError, OnnxExporter, decompose_for_generation
+    from hfexport import (
+        PATCHES,
+        CaptureError,
+        DynamoExporter,
+        ExecutorchExporter,
+        HfExportError,
+        OnnxExporter,
+        decompose_for_generation,
+    )
     from hfexport.presets import PRESETS, sample_inputs
 
     scopes = {patch.scope for patch in PATCHES.values()}
-    assert scopes == {"capture", "generate", "to_onnx"}
+    assert scopes == {"capture", "generate", "to_onnx", "to_edge"}
     before = _patched_state()
     assert {name for name, _ in before} == set(PATCHES)  # every patch has at least one target here
     seen: dict = {}
@@ -175,7 +186,17 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
         with pytest.raises(HfExportError, match="translation failed on purpose"):
             OnnxExporter().export(model, sample_inputs(model))
     assert _patched_state() == before
-    assert set(seen) == {"capture", "generate", "to_onnx"}
+
+    def failing_edge(*args, **kwargs):
+        seen["to_edge"] = _patched_state()
+        raise RuntimeError("edge conversion failed on purpose")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(executorch_program, "_gen_edge_manager_for_partitioners", failing_edge)
+        with pytest.raises(HfExportError, match="edge conversion failed on purpose"):
+            ExecutorchExporter().export(model, sample_inputs(model))
+    assert _patched_state() == before
+    assert set(seen) == {"capture", "generate", "to_onnx", "to_edge"}
     # inside each scope, exactly that scope's patches were on
     for scope, state in seen.items():
         for key, value in state.items():

@@ -179,13 +179,13 @@ def _mask_functions_index_as_tensor_ops(original: Callable) -> Callable:
 
 
 @register_patch(
-    "transformers.models.*mamba.modeling_*mamba:mamba_selective_scan",
+    "transformers.models.*.modeling_*:mamba_selective_scan",
     name="selective_scan_as_scan_op",
     reason=(
-        "Mamba's selective scan without its CUDA kernels is a Python loop over the sequence, so "
-        "torch.export unrolls it and fixes the sequence axis to the sample's length (a program that "
-        "takes only 8 tokens). The same recurrence as torch's scan higher-order op traces once for any "
-        "length, and ONNX (a Scan node) and ExecuTorch (a loop of jumps) both lower it"
+        "Mamba's selective scan (Mamba, Falcon-Mamba, Jamba, Zamba) without its CUDA kernels is a Python "
+        "loop over the sequence, so torch.export unrolls it and fixes the sequence axis to the sample's "
+        "length (a program that takes only 8 tokens). The same recurrence as torch's scan higher-order "
+        "op traces once for any length, and ONNX (a Scan node) and ExecuTorch (a loop of jumps) both lower it"
     ),
     # transformers keeps the sequential loop under export: "There is no onnx translation for this op"
     # (its associative_scan branch, skipped when exporting)
@@ -241,3 +241,54 @@ def _selective_scan_as_scan_op(original: Callable) -> Callable:
         return (scan_output, state) if return_last_state else scan_output
 
     return mamba_selective_scan
+
+
+@register_patch(
+    "transformers.models.rwkv.modeling_rwkv:rwkv_linear_attention_cpu",
+    name="rwkv_recurrence_as_scan_op",
+    reason=(
+        "RWKV's time mixing without its CUDA kernel is a Python loop over the sequence, so torch.export "
+        "unrolls it and fixes the sequence axis to the sample's length. The same recurrence (numerator, "
+        "denominator and running maximum as the carry) as torch's scan higher-order op traces once for "
+        "any length"
+    ),
+    upstream="https://github.com/huggingface/transformers/blob/main/src/transformers/models/rwkv/modeling_rwkv.py",
+)
+def _rwkv_recurrence_as_scan_op(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def rwkv_linear_attention_cpu(
+        time_decay: torch.Tensor,
+        time_first: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        state: list[torch.Tensor] | None = None,
+        return_state: bool = False,
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        from torch._higher_order_ops.scan import scan
+
+        # the carry is row-major from the first step on: so is its initial value, as scan wants
+        if state is None:
+            zeros = key.new_zeros(key[:, 0].shape, dtype=torch.float32)
+            carry = (zeros, zeros.clone(), zeros - 1e38)
+        else:
+            carry = tuple(t.contiguous() for t in state)
+        decay = -torch.exp(time_decay)
+
+        def step(carry: tuple, xs: tuple) -> tuple[tuple, torch.Tensor]:
+            num_state, den_state, max_state = carry
+            current_key, current_value = xs
+            current_key = current_key.float()
+            max_for_output = torch.maximum(max_state, current_key + time_first)
+            e1 = torch.exp(max_state - max_for_output)
+            e2 = torch.exp(current_key + time_first - max_for_output)
+            output = ((e1 * num_state + e2 * current_value) / (e1 * den_state + e2)).to(key.dtype)
+            max_for_state = torch.maximum(max_state + decay, current_key)
+            e1 = torch.exp(max_state + decay - max_for_state)
+            e2 = torch.exp(current_key - max_for_state)
+            return (e1 * num_state + e2 * current_value, e1 * den_state + e2, max_for_state), output
+
+        carry, outputs = scan(step, carry, (key.transpose(0, 1), value.transpose(0, 1)))
+        returned = list(carry) if return_state or state is not None else None
+        return outputs.transpose(0, 1), returned
+
+    return rwkv_linear_attention_cpu

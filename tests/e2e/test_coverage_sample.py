@@ -110,3 +110,13 @@ def test_a_hybrid_model_with_windowed_and_linear_attention_generates_on_every_ta
     for target in generation:
         assert rows[target]["status"] == "pass", rows[target]
         assert len(set(rows[target]["expected"])) >= 3, rows[target]
+
+
+@pytest.mark.parametrize("model_type", ["jamba", "rwkv"])
+def test_a_recurrence_over_the_sequence_exports_any_length(model_type):
+    """Jamba's selective scan (the Mamba patch had matched Mamba's own modules only) and RWKV's time
+    mixing are Python loops over the sequence: the programs took the sample's 8 tokens only
+    (second_shape_error), until each loop is torch's scan op (selective_scan_as_scan_op,
+    rwkv_recurrence_as_scan_op)."""
+    rows = run_case(model_type, ("dynamo",))
+    assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
