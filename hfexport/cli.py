@@ -159,7 +159,12 @@ def _export(args: argparse.Namespace) -> int:
         model, _ = in_dtype(model, {}, next(iter(dtypes)), configs)
     source = model_folder(args.model)
     task = args.task or infer_task(model.config)
-    inputs = sample_inputs_for(model, source, task, args.batch, args.seq, generation=args.generation)
+    batch = args.batch
+    if batch is None:
+        # an ExecuTorch generation program takes one row, and a multimodal sample (flattened image
+        # patches) cannot be cut to one afterwards
+        batch = 1 if args.generation and any(type(c).__name__ == "ExecutorchConfig" for c in configs) else 2
+    inputs = sample_inputs_for(model, source, task, batch, args.seq, generation=args.generation)
     print(f"task {task}; sample inputs: {_shapes(inputs)}", file=sys.stderr, flush=True)
     if not any(getattr(config, "dynamic", False) or config.dynamic_shapes for config in configs):
         print(f"static shapes: the program takes exactly {_shapes(inputs)}", file=sys.stderr, flush=True)
@@ -393,7 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
         "else float32 (a bfloat16 checkpoint for onnx: ONNX Runtime's CPU provider has no bfloat16 kernels)",
     )
     export.add_argument("--config", help="a JSON config file (keys of the backend's config); flags override it")
-    export.add_argument("--batch", type=positive_int, default=2, help="sample batch size (default 2)")
+    export.add_argument(
+        "--batch",
+        type=positive_int,
+        default=None,
+        help="sample batch size (default 2; 1 for a --generation export to executorch, whose programs take one row)",
+    )
     export.add_argument("--seq", type=positive_int, default=8, help="sample sequence length (default 8)")
     export.add_argument(
         "--generation",

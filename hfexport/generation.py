@@ -105,6 +105,31 @@ class StaticCacheDecoder:
 
     cache: Any
     max_cache_len: int
+    position_rows: int | None = None  # a decode graph's multimodal rotary positions: [rows, batch, queries]
+
+    def positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The loop's ``[batch, queries]`` positions as the decode graph takes them: a graph of
+        multimodal rotary positions (Qwen-VL's three rows, GLM-4V's four) gets one row per axis,
+        all equal, as a text token's are."""
+        if self.position_rows is None:
+            return position_ids
+        return position_ids[None].expand(self.position_rows, -1, -1).contiguous()
+
+    @staticmethod
+    def token_types(specs: Any, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Zeros (text) for a decode graph's token-type inputs (a multimodal model's
+        ``mm_token_type_ids``, which marks image tokens; ``specs``: the manifest's inputs), as long
+        as the step's ids where the graph ties them, else of the shape it was exported with."""
+        return {
+            spec.path: torch.zeros_like(input_ids) if 1 in spec.dynamic else torch.zeros(spec.shape, dtype=torch.long)
+            for spec in specs
+            if spec.path.endswith("token_type_ids")
+        }
+
+    @staticmethod
+    def rows_of(shape: Any) -> int | None:
+        """``position_rows`` for a decode graph's ``position_ids`` of ``shape`` (None: 2-D)."""
+        return int(shape[0]) if shape is not None and len(shape) == 3 else None
 
     @staticmethod
     def check_batch_size(spec: Any, batch_size: int) -> None:

@@ -120,3 +120,14 @@ def test_a_recurrence_over_the_sequence_exports_any_length(model_type):
     rwkv_recurrence_as_scan_op)."""
     rows = run_case(model_type, ("dynamo",))
     assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
+
+
+def test_a_multimodal_model_with_four_rotary_rows_generates_on_every_target():
+    """GLM-4V's decode step takes its multimodal rotary positions as [4, batch, queries] and its
+    image-token marks (mm_token_type_ids): the decode loops passed [batch, queries] positions
+    ("Guard failed: position_ids.size()[0] == 4") and no marks, and the ExecuTorch sample kept two
+    rows (flattened image patches cannot be cut to one)."""
+    generation = tuple(f"generate:{t}" for t in coverage.TARGETS)
+    rows = run_case("glm4v", (), generation)
+    for target in generation:
+        assert rows[target]["status"] == "pass", rows[target]

@@ -156,6 +156,8 @@ class DynamoDecoder(StaticCacheDecoder):
             dtypes = {"attention_mask": mask.dtype}
         types = [key for key in mask if key not in self.no_masks] if isinstance(mask, dict) else None
         self.masks = DecodeMasks(types, attention_windows(example), dtypes)
+        positions = example.get("position_ids")
+        self.position_rows = self.rows_of(positions.shape if isinstance(positions, torch.Tensor) else None)
         passed = {"input_ids", "attention_mask", "position_ids", "cache"}
         self.constants = {k: v for k, v in example.items() if k not in passed}
         self.cache = pytree.tree_map(
@@ -176,7 +178,7 @@ class DynamoDecoder(StaticCacheDecoder):
             out = self.module(
                 input_ids=input_ids,
                 attention_mask=self._masks(valid, query_slots),
-                position_ids=position_ids,
+                position_ids=self.positions(position_ids),
                 cache=self.cache,
                 **self.constants,
             )

@@ -216,6 +216,7 @@ class ExecutorchDecoder(StaticCacheDecoder):
         self.logits_index = next(i for i, o in enumerate(outputs) if o.kind == "tensor")
         # the inputs this loop feeds from outside (not the cache it keeps): the ones checked each step
         self.outside = [index for index, spec in enumerate(self.runner.fed) if spec.path not in self.cache]
+        self.position_rows = self.rows_of(next((i.shape for i in self.spec.fed if i.path == "position_ids"), None))
         self.masks = DecodeMasks.from_input_paths(
             [i.path for i in self.spec.fed],
             self.spec.attention_windows,
@@ -225,7 +226,9 @@ class ExecutorchDecoder(StaticCacheDecoder):
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        fed = {"input_ids": input_ids, "position_ids": position_ids, **self.masks.by_input_path(valid, query_slots)}
+        fed = {"input_ids": input_ids, "position_ids": self.positions(position_ids)}
+        fed.update(self.masks.by_input_path(valid, query_slots))
+        fed.update(self.token_types(self.runner.fed, input_ids))
         values = []
         for spec in self.runner.fed:
             if spec.path in self.cache:

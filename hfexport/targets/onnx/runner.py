@@ -170,6 +170,7 @@ class OnnxDecoder(StaticCacheDecoder):
             self.spec.attention_windows,
             {i.path: getattr(torch, i.dtype) for i in self.spec.fed if i.path.startswith("attention_mask")},
         )
+        self.position_rows = self.rows_of(next((i.shape for i in self.spec.fed if i.path == "position_ids"), None))
         self.input_name = {spec.path: spec.name for spec in self.spec.fed}
         self.binding = self.session.io_binding()
         for path, buffer in self.cache.items():
@@ -200,8 +201,9 @@ class OnnxDecoder(StaticCacheDecoder):
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        feed = {"input_ids": input_ids.contiguous(), "position_ids": position_ids.contiguous()}
+        feed = {"input_ids": input_ids.contiguous(), "position_ids": self.positions(position_ids).contiguous()}
         feed.update(self.masks.by_input_path(valid, query_slots))
+        feed.update(self.token_types(self.spec.fed, input_ids))
         given = {}
         for path, tensor in feed.items():
             given[self.input_name[path]] = tensor
