@@ -232,7 +232,10 @@ class ExportFolder:
         decode = self.manifest.component("decode")
         ids = next((i for i in decode.inputs if i.path == "input_ids"), None)
         states = [i.path for i in decode.inputs if i.path.startswith("cache.") and len(i.shape) != 4]
-        if states and not any(i.path.startswith("cache.") and len(i.shape) == 4 for i in decode.inputs):
+        masked = any(i.path.startswith("attention_mask") for i in decode.inputs)
+        if not masked:  # Mamba-2's recurrent state is 4-D too: no mask, no attention cache
+            states = [i.path for i in decode.inputs if i.path.startswith("cache.")]
+        if states and (not masked or not any(i.path.startswith("cache.") and len(i.shape) == 4 for i in decode.inputs)):
             raise HfExportError(
                 f"the decode graph in {self.folder} carries a recurrent state ({states[0]}, …), not an attention "
                 "cache; hfexport's decode loops run attention caches only: run the folder's prefill and decode "
