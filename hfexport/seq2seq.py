@@ -228,7 +228,9 @@ class EncoderDecoderGenerator:
         settings = self.generation_config
         start = settings.decoder_start_token_id
         if start is None:
-            start = self.config.get("decoder_start_token_id", settings.bos_token_id)
+            start = self.config.get("decoder_start_token_id")
+        if start is None:  # generate's fallback too (a config key present as null is no start id)
+            start = settings.bos_token_id
         if start is None:
             raise HfExportError(f"the configs in {self.folder} give no decoder_start_token_id")
         if isinstance(start, (list, tuple)):
@@ -276,12 +278,19 @@ class EncoderDecoderGenerator:
         dtype = getattr(torch, spec.dtype)  # eager attention adds a float mask to the scores
         return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
 
-    def _shared(self, runner: Any, encoded: dict[str, torch.Tensor], hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the prefill and decode take from the encoder: its states and its attention mask."""
+    def _shared(
+        self, runner: Any, encoded: dict[str, torch.Tensor], states: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """What the prefill and decode take from the encoder: its outputs (``encoder_outputs.<i>``:
+        the encoder's ``i``-th output; a BERT encoder's pooled output follows its states) and its
+        attention mask."""
+        hidden = states["last_hidden_state"]
+        ordered = list(states.values())
         fed: dict[str, torch.Tensor] = {}
         for spec in runner.spec.fed:
             if spec.path.startswith("encoder_outputs."):
-                fed[spec.path] = hidden
+                index = spec.path.split(".")[1]
+                fed[spec.path] = ordered[int(index)] if index.isdigit() and int(index) < len(ordered) else hidden
             elif spec.path == "attention_mask":
                 mask = encoded.get("attention_mask")
                 fed[spec.path] = torch.ones(hidden.shape[:2], dtype=torch.long) if mask is None else mask
@@ -290,19 +299,19 @@ class EncoderDecoderGenerator:
     def start(self, encoded: dict[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
         """Run the encoder and the prefill on ``encoded`` and return the decode ``step`` for
         :func:`~hfexport.generation.greedy_decode` (a fresh self-attention cache)."""
-        hidden = self.encoder.run_named(encoded)["last_hidden_state"]
-        batch = hidden.shape[0]
+        states = self.encoder.run_named(encoded)
+        batch = states["last_hidden_state"].shape[0]
         valid = torch.zeros(batch, self.max_cache_len, dtype=torch.long)
         valid[:, 0] = 1
         start = torch.full((batch, 1), self.decoder_prompt()[0], dtype=torch.long)
-        prefill = {"decoder_input_ids": start, **self._shared(self.prefill, encoded, hidden)}
+        prefill = {"decoder_input_ids": start, **self._shared(self.prefill, encoded, states)}
         for spec in self.prefill.spec.fed:
             if spec.path == "decoder_attention_mask":
                 prefill[spec.path] = self._mask(spec.path, self.prefill, valid, torch.tensor([0]))
             elif spec.path.startswith("cache."):  # an empty cache's token counters
                 prefill[spec.path] = torch.zeros((), dtype=getattr(torch, spec.dtype or "int64"))
         produced = self.prefill.run_named(prefill)
-        shared = self._shared(self.decoder, encoded, hidden)
+        shared = self._shared(self.decoder, encoded, states)
         cache = {
             spec.path: torch.zeros([batch, *spec.shape[1:]] if spec.shape else [], dtype=getattr(torch, spec.dtype))
             for spec in self.cache_specs

@@ -135,6 +135,44 @@ def _unflatten(values: Any, context: str) -> Any:
     return obj
 
 
+class EncoderStates(tuple):
+    """An encoder-decoder's ``encoder_outputs`` as its prefill and decode components take them:
+    the encoder's output tensors in order, as a tuple (what every encoder-decoder forward accepts),
+    that also answers their names as attributes (``.last_hidden_state``, Cohere ASR's
+    ``.attention_mask``; None for the output class's fields left unset, as a ``ModelOutput``
+    answers). generate
+    hands a ``ModelOutput``, which a weights-only load cannot rebuild from a saved program's
+    example inputs; this can, and it flattens to ``encoder_outputs.<index>``."""
+
+    def __new__(cls, values: Any = (), names: Any = (), unset: Any = ()) -> EncoderStates:
+        states = super().__new__(cls, values)
+        states.names, states.unset = tuple(names), tuple(unset)
+        return states
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("names", "unset") or name not in (*self.names, *self.unset):
+            raise AttributeError(name)
+        return self[self.names.index(name)] if name in self.names else None
+
+
+def _register_encoder_states() -> None:
+    if EncoderStates in pytree.SUPPORTED_NODES:
+        return
+    pytree.register_pytree_node(
+        EncoderStates,
+        lambda states: (list(states), (states.names, states.unset)),
+        lambda values, context: EncoderStates(values, *context),
+        serialized_type_name=_qualified(EncoderStates),
+        flatten_with_keys_fn=lambda states: (
+            [(pytree.SequenceKey(i), v) for i, v in enumerate(states)],
+            (states.names, states.unset),
+        ),
+        to_dumpable_context=lambda context: json.dumps([list(part) for part in context]),
+        from_dumpable_context=lambda dumped: tuple(tuple(part) for part in json.loads(dumped)),
+    )
+    torch.serialization.add_safe_globals([EncoderStates])
+
+
 def register_pytree_node(cls: type) -> type:
     """Register ``cls`` (a cache, a cache layer, or any object holding tensors in attributes) as a
     pytree node so it can be an input or output of an exported program. For a transformers cache
@@ -186,6 +224,8 @@ def register_cache_pytrees() -> None:
     from transformers import cache_utils
 
     import hfexport.models.static_layers  # noqa: F401  (defines WindowedStaticLayer)
+
+    _register_encoder_states()
 
     roots = [cache_utils.Cache, cache_utils.CacheLayerMixin, cache_utils.DummyLayer]
     roots += (

@@ -9,6 +9,7 @@ model, inputs and generation config are not changed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import logging
 from collections.abc import Iterator
@@ -103,7 +104,7 @@ def _returns_cache(model: torch.nn.Module, prefill: dict[str, Any]) -> bool:
 
 def _clean(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Drop ``None`` values and call flags; keep what ``forward`` takes by name. The encoder's
-    outputs become a plain tuple (see :func:`_plain_encoder_outputs`)."""
+    outputs become a tuple (see :func:`_plain_encoder_outputs`)."""
     named = _forward_parameters(module)
     kept = {k: v for k, v in kwargs.items() if v is not None and k not in _DROPPED_FLAGS and k in named}
     return _plain_encoder_outputs(kept)
@@ -113,13 +114,16 @@ def _plain_encoder_outputs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """generate hands an encoder-decoder's prefill and decode ``encoder_outputs`` as a
     ``ModelOutput``; a saved ``.pt2`` pickles its example inputs, and a ``ModelOutput`` is not
     among what a weights-only load rebuilds, so loading the folder would need ``--trust-artifact``.
-    Every encoder-decoder forward takes a tuple there too (``encoder_outputs[0]`` is the last
-    hidden state): the program's input becomes ``encoder_outputs.0``."""
+    They become :class:`~hfexport.models.caches.EncoderStates` (a tuple that also answers its
+    fields' names): the program's inputs are ``encoder_outputs.<index>``."""
     from transformers.utils import ModelOutput
+
+    from hfexport.models.caches import EncoderStates
 
     outputs = kwargs.get("encoder_outputs")
     if isinstance(outputs, ModelOutput):
-        kwargs = {**kwargs, "encoder_outputs": outputs.to_tuple()}
+        unset = [field.name for field in dataclasses.fields(outputs) if field.name not in outputs]
+        kwargs = {**kwargs, "encoder_outputs": EncoderStates(outputs.to_tuple(), outputs.keys(), unset)}
     return kwargs
 
 

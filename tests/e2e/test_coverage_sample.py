@@ -131,3 +131,12 @@ def test_a_multimodal_model_with_four_rotary_rows_generates_on_every_target():
     rows = run_case("glm4v", (), generation)
     for target in generation:
         assert rows[target]["status"] == "pass", rows[target]
+
+
+def test_an_encoder_decoder_reading_its_encoder_outputs_by_name_generates():
+    """Cohere ASR's decoder reads ``encoder_outputs.last_hidden_state`` and ``.attention_mask``: the
+    prefill capture failed on the plain tuple the encoder's outputs became ("'tuple' object has no
+    attribute 'last_hidden_state'"; Canary and Florence-2 too), and its folder named no start token
+    where the config held a null ``decoder_start_token_id`` beside a ``bos_token_id``."""
+    rows = run_case("cohere_asr", (), ("generate:dynamo",))
+    assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
