@@ -34,8 +34,6 @@ from hfexport.generation import Generation, PromptInChunks, TokenStream, decode_
 # generation-config settings that change greedy tokens and that this loop does not apply: refused
 # (the default value of each is what it has when unset)
 _UNSUPPORTED = {
-    "no_repeat_ngram_size": 0,
-    "encoder_no_repeat_ngram_size": 0,
     "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0,
     "bad_words_ids": None,
@@ -369,7 +367,9 @@ class EncoderDecoderGenerator:
                 f"({self.max_cache_len} tokens); ask for fewer or export again with a larger --max-cache-len"
             )
         batch = next(iter(encoded.values())).shape[0]
-        step = _Processed(self.start(encoded), self, len(prompt), len(prompt) + max_new_tokens)
+        step = _Processed(
+            self.start(encoded), self, len(prompt), len(prompt) + max_new_tokens, encoded.get("input_ids")
+        )
         prompt_ids = torch.tensor([prompt] * batch, dtype=torch.long)
         if not self.query_dynamic:
             step = PromptInChunks(step)
@@ -426,12 +426,29 @@ class _Processed:
     """A decode ``step`` whose last logits go through the generation config's processors that
     change greedy tokens, as transformers applies them: suppressed tokens, suppressed at the first
     new token (``begin_suppress_tokens``), forced BOS after the start token, forced EOS at the last
-    token, and no EOS before ``min_new_tokens`` / ``min_length``. It sees the tokens it is fed."""
+    token, no EOS before ``min_new_tokens`` / ``min_length``, and no n-gram repeated from the
+    decoder's tokens (``no_repeat_ngram_size``) or taken from the encoder's input ids
+    (``encoder_no_repeat_ngram_size``, BlenderBot's). It sees the tokens it is fed."""
 
-    def __init__(self, step: Callable[..., torch.Tensor], owner: EncoderDecoderGenerator, begin: int, max_length: int):
+    def __init__(
+        self,
+        step: Callable[..., torch.Tensor],
+        owner: EncoderDecoderGenerator,
+        begin: int,
+        max_length: int,
+        encoder_ids: torch.Tensor | None = None,
+    ):
         settings = owner.generation_config
         self.step, self.begin, self.max_length = step, begin, max_length
         self.length = 0
+        self.history: torch.Tensor | None = None  # the decoder tokens fed so far, [batch, length]
+        self.repeat = settings.no_repeat_ngram_size or 0
+        self.encoder_repeat = settings.encoder_no_repeat_ngram_size or 0
+        self.encoder_ngrams = (
+            [_ngrams(row.tolist(), self.encoder_repeat) for row in encoder_ids]
+            if self.encoder_repeat and encoder_ids is not None
+            else None
+        )
         self.suppress = list(settings.suppress_tokens or [])
         self.begin_suppress = list(settings.begin_suppress_tokens or [])
         self.forced_bos = settings.forced_bos_token_id
@@ -443,9 +460,18 @@ class _Processed:
     def __call__(self, input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
         logits = self.step(input_ids, *args)
         self.length += input_ids.shape[1]
+        self.history = input_ids if self.history is None else torch.cat([self.history, input_ids], dim=1)
         last = logits[:, -1:].clone()
         scores = last[:, 0]
         lowest = torch.finfo(scores.dtype).min if scores.is_floating_point() else -(2**31)
+        for row, sequence in enumerate(self.history.tolist()):
+            banned: list[int] = []
+            if self.repeat and len(sequence) >= self.repeat:
+                banned += _ngrams(sequence, self.repeat).get(tuple(sequence[1 - self.repeat :]), [])
+            if self.encoder_ngrams is not None:
+                key = tuple(sequence[len(sequence) + 1 - self.encoder_repeat :])
+                banned += self.encoder_ngrams[row].get(key, [])
+            scores[row, _in_vocabulary(banned, scores)] = lowest
         if self.length < self.min_length and self.eos:
             scores[:, self.eos] = lowest
         if self.forced_bos is not None and self.length == 1:
@@ -460,6 +486,14 @@ class _Processed:
         if self.begin_suppress and self.length == self.begin:
             scores[:, _in_vocabulary(self.begin_suppress, scores)] = lowest
         return last
+
+
+def _ngrams(tokens: list[int], size: int) -> dict[tuple[int, ...], list[int]]:
+    """``{first size-1 tokens: the tokens that followed them}`` over every n-gram of ``tokens``."""
+    found: dict[tuple[int, ...], list[int]] = {}
+    for start in range(len(tokens) - size + 1):
+        found.setdefault(tuple(tokens[start : start + size - 1]), []).append(tokens[start + size - 1])
+    return found
 
 
 def _in_vocabulary(tokens: list[int], scores: torch.Tensor) -> list[int]:

@@ -240,3 +240,37 @@ def test_suppressed_token_ids_beyond_the_vocabulary_suppress_nothing():
     scores = step(torch.tensor([[0]]))[0, -1]
     assert scores[2] == scores[3] == torch.finfo(scores.dtype).min
     assert (scores[[0, 1, 4, 5, 6, 7]] == 0).all()
+
+
+def test_repeated_ngrams_are_banned_as_transformers_bans_them():
+    # BlenderBot's generation config sets encoder_no_repeat_ngram_size=3, which the loop refused:
+    # its folders did not generate. Each step's bans equal transformers' own processors'
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import (
+        EncoderNoRepeatNGramLogitsProcessor,
+        NoRepeatNGramLogitsProcessor,
+    )
+
+    from hfexport.seq2seq import _Processed
+
+    rows = torch.Generator().manual_seed(0)
+    encoder_ids = torch.randint(0, 6, (2, 12), generator=rows)
+    tokens = torch.randint(0, 6, (2, 14), generator=rows)  # few ids: n-grams repeat
+    for repeat, encoder_repeat in [(2, 0), (0, 3), (3, 2)]:
+        settings = GenerationConfig(no_repeat_ngram_size=repeat, encoder_no_repeat_ngram_size=encoder_repeat)
+        owner = SimpleNamespace(generation_config=settings, eos_token_id=[])
+        step = _Processed(lambda ids, *rest: torch.zeros(2, ids.shape[1], 8), owner, 1, 30, encoder_ids)
+        processors = [NoRepeatNGramLogitsProcessor(repeat)] if repeat else []
+        processors += [EncoderNoRepeatNGramLogitsProcessor(encoder_repeat, encoder_ids)] if encoder_repeat else []
+        banned_any = False
+        for end in range(1, tokens.shape[1] + 1):
+            fed = tokens[:, :1] if end == 1 else tokens[:, end - 1 : end]
+            got = step(fed)[:, -1]
+            expected = torch.zeros(2, 8)
+            for processor in processors:
+                expected = processor(tokens[:, :end], expected)
+            assert torch.equal(got == torch.finfo(got.dtype).min, expected == -float("inf")), (repeat, end)
+            banned_any |= bool((expected == -float("inf")).any())
+        assert banned_any, (repeat, encoder_repeat)
