@@ -19,10 +19,14 @@ import torch
 from hfexport.errors import HfExportError
 
 
-def decode_mask(valid: torch.Tensor, query_slots: torch.Tensor, window: int | None = None) -> torch.Tensor:
+def decode_mask(
+    valid: torch.Tensor, query_slots: torch.Tensor, window: int | None = None, chunk: int | None = None
+) -> torch.Tensor:
     """The 4-D boolean mask ``[batch, 1, queries, cache_len]`` of a static-cache decode step:
     query at cache slot ``s`` sees slot ``j`` when ``j <= s`` and ``valid[b, j]`` (written and not
-    padding), and, for a sliding-window layer type, ``s - j < window``.
+    padding), and, for a sliding-window layer type, ``s - j < window``; for a chunked one (Llama
+    4), ``j`` and ``s`` lie in one chunk of ``chunk`` slots counted from the row's first token, as
+    transformers' chunked mask counts them past the left padding.
 
     Built with numpy: a decode step runs it between two program calls, when the caches are cold
     and each torch operator's dispatch costs tens of microseconds."""
@@ -38,7 +42,12 @@ def decode_mask(valid: torch.Tensor, query_slots: torch.Tensor, window: int | No
     visible = slots <= queries[:, None]
     if window is not None:
         visible &= slots > queries[:, None] - window
-    return torch.from_numpy(visible[None] & (np.asarray(valid)[:, None, :] != 0))[:, None]
+    rows = np.asarray(valid) != 0
+    if chunk is not None:
+        first = rows.argmax(axis=-1)[:, None, None]  # the left padding
+        visible = visible[None] & ((slots[None] - first) // chunk == (queries[None, :, None] - first) // chunk)
+        return torch.from_numpy(visible & rows[:, None, :])[:, None]
+    return torch.from_numpy(visible[None] & rows[:, None, :])[:, None]
 
 
 class DecodeMasks:
@@ -46,13 +55,15 @@ class DecodeMasks:
     (boolean, or additive float for eager attention): one 4-D ``attention_mask`` (``layer_types``
     None; windowed when ``windows`` has the one window of a model whose layers all slide), or one
     per layer type (``attention_mask.<type>``
-    inputs), each layer type in ``windows`` limited to its sliding window. Raises
+    inputs), each layer type in ``windows`` limited to its sliding window (``chunked_attention``: to
+    its chunk). Raises
     :class:`~hfexport.HfExportError` up front for a layer type it cannot build."""
 
     def __init__(
         self, layer_types: list[str] | None, windows: dict[str, int], dtypes: dict[str, torch.dtype] | None = None
     ) -> None:
         unsupported = sorted(set(layer_types or ()) - {"full_attention"} - set(windows))
+        self.chunks = {key: windows[key] for key in windows if key == "chunked_attention"}
         if unsupported:
             raise HfExportError(
                 f"the decode graph takes attention masks for layer types {unsupported}; the decode loops "
@@ -84,10 +95,19 @@ class DecodeMasks:
         if self.layer_types is None:
             # one mask serves every layer: when the cache's layers are windowed, all of them are
             # (Mistral, whose mask function applies the window to 2-D masks only)
-            window = next(iter(self.windows.values())) if len(self.windows) == 1 else None
-            return self._typed("attention_mask", decode_mask(valid, query_slots, window))
+            (key, span), *others = list(self.windows.items()) or [(None, None)]
+            if others:
+                key, span = None, None
+            chunk = span if key == "chunked_attention" else None
+            window = None if chunk is not None else span
+            return self._typed("attention_mask", decode_mask(valid, query_slots, window, chunk))
         return {
-            key: self._typed(f"attention_mask.{key}", decode_mask(valid, query_slots, self.windows.get(key)))
+            key: self._typed(
+                f"attention_mask.{key}",
+                decode_mask(valid, query_slots, None, self.chunks[key])
+                if key in self.chunks
+                else decode_mask(valid, query_slots, self.windows.get(key)),
+            )
             for key in self.layer_types
         }
 

@@ -46,7 +46,17 @@ class WindowedHybridStaticLayer(cache_utils.LinearAttentionAndStaticFullAttentio
         self.sliding_window = sliding_window
 
 
-WINDOWED_LAYERS = {"sliding_attention": WindowedStaticLayer, "hybrid_sliding": WindowedHybridStaticLayer}
+class ChunkedStaticLayer(WindowedStaticLayer):
+    """:class:`WindowedStaticLayer` for a ``chunked_attention`` layer (Llama 4): its mask limits
+    attention to the query's chunk of ``sliding_window`` (the config's ``attention_chunk_size``)
+    positions."""
+
+
+WINDOWED_LAYERS = {
+    "sliding_attention": WindowedStaticLayer,
+    "hybrid_sliding": WindowedHybridStaticLayer,
+    "chunked_attention": ChunkedStaticLayer,
+}
 
 
 class EncoderLengthStaticLayer(cache_utils.StaticLayer):
@@ -97,6 +107,8 @@ def attention_windows(inputs: Any) -> dict[str, int]:
     for value in values:
         for cache in (value, getattr(value, "self_attention_cache", None)):
             for layer in getattr(cache, "layers", ()):
-                if isinstance(layer, tuple(WINDOWED_LAYERS.values())):
+                if isinstance(layer, ChunkedStaticLayer):  # the span of a chunk, not of a window
+                    windows["chunked_attention"] = int(layer.sliding_window)
+                elif isinstance(layer, tuple(WINDOWED_LAYERS.values())):
                     windows["sliding_attention"] = int(layer.sliding_window)
     return windows

@@ -772,3 +772,31 @@ def test_a_model_returning_no_cache_is_refused_by_name():
         decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)
     model.config.is_decoder = True  # the decoder a real checkpoint is: exported as before
     assert set(decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)) == {"prefill", "decode"}
+
+
+def test_chunked_attention_generates_model_generate_tokens(tmp_path):
+    # Llama 4's chunked layers: the decode loops refused their mask ("layer types
+    # ['chunked_attention']"); with chunks of 4 tokens, 18 tokens span five of them, and a decode
+    # without the chunk mask gives other tokens
+    from transformers import AutoModelForCausalLM
+
+    import hfexport
+    from hfexport.cli import main as cli
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("llama4_text")
+    model.config.attention_chunk_size = 4
+    assert "chunked_attention" in model.config.layer_types
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    model.save_pretrained(tmp_path / "checkpoint")
+    out = tmp_path / "out"
+    assert cli(["export", str(tmp_path / "checkpoint"), "--generation", "--format", "dynamo", "--out", str(out)]) == 0
+    ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint").eval()
+    expected = reference.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 6:].tolist()
+    assert len(set(expected)) >= 3
+    assert list(hfexport.load(out).generate(ids[0].tolist(), 12).tokens) == expected
