@@ -228,7 +228,7 @@ def run_for_generation(
     model's ``prefill`` when its ``decode`` takes several tokens (``multi_token_decode=True``,
     and not a recurrent model's one-token step): hfexport's decode loops feed that ``decode`` the
     whole prompt and never run the prefill (the command line's default)."""
-    from hfexport.models.generation import decompose_for_generation
+    from hfexport.models.generation import decompose_for_generation, holds_cache
 
     groups = group_by_dtype(model, configs)
     if len(groups) > 1:  # one decomposition per dtype: its components are the converted model's
@@ -264,6 +264,7 @@ def run_for_generation(
         selected.pop("prefill", None)
     results = {}
     for index, (name, (module, kwargs)) in enumerate(selected.items()):
+        carries_state = any(holds_cache(value) for value in kwargs.values())  # a cache, RWKV's state
         if on_component is not None:
             on_component(name, index, len(selected))
         component_configs = []
@@ -277,7 +278,7 @@ def run_for_generation(
             cache_len = getattr(generation_config, "max_cache_len", None)
             if (
                 cache_len
-                and "cache" in kwargs
+                and carries_state
                 and "encoder_outputs" not in kwargs
                 and getattr(config, "max_seq_len", 0) is None
             ):
@@ -285,7 +286,7 @@ def run_for_generation(
                 # encoder-decoder's decoder also takes the encoder's states and mask, as long as
                 # the input (audio frames, a long text), so it keeps the target's default bound
                 config.max_seq_len = cache_len
-            if "cache" in kwargs and _batch_of_one(config):
+            if carries_state and _batch_of_one(config):
                 config.max_batch_size = 1
             if config.dump_dir:
                 config.dump_dir = str(Path(config.dump_dir) / name)

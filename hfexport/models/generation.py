@@ -66,7 +66,7 @@ def _forward_parameters(module: torch.nn.Module) -> set[str]:
     }
 
 
-def _holds_cache(value: Any) -> bool:
+def holds_cache(value: Any) -> bool:
     """Whether a forward argument carries generation state: a transformers cache, or a legacy
     tuple of past tensors (``mems``, ``past_key_values`` as tuples)."""
     from transformers.cache_utils import Cache
@@ -99,7 +99,7 @@ def _returns_cache(model: torch.nn.Module, prefill: dict[str, Any]) -> bool:
     except Exception:
         return True
     values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else ()
-    return any(_holds_cache(v) for v in values)
+    return any(holds_cache(v) for v in values)
 
 
 def _clean(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -278,7 +278,7 @@ def decompose_for_generation(
         raise HfExportError(
             f"generate made {len(calls)} forward calls, expected {new_tokens}; cannot tell prefill from decode"
         )
-    if not any(_holds_cache(value) for value in _clean(model, calls[1]).values()):
+    if not any(holds_cache(value) for value in _clean(model, calls[1]).values()):
         raise UnsupportedModelError(
             f"{type(model).__name__} generates without a cache (each step runs the whole sequence again: "
             "its forward takes no past keys and values), and hfexport's generation export is a cached decode "

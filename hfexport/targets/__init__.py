@@ -231,11 +231,14 @@ class ExportFolder:
             )
         decode = self.manifest.component("decode")
         ids = next((i for i in decode.inputs if i.path == "input_ids"), None)
-        states = [i.path for i in decode.inputs if i.path.startswith("cache.") and len(i.shape) != 4]
+        # the decode loops run an attention cache (4-D keys and values under cache.*, a hybrid's
+        # convolution states beside them) with its mask; a step without one carries a recurrent
+        # state only (Mamba's, 4-D for Mamba-2; RWKV's state.*)
         masked = any(i.path.startswith("attention_mask") for i in decode.inputs)
-        if not masked:  # Mamba-2's recurrent state is 4-D too: no mask, no attention cache
-            states = [i.path for i in decode.inputs if i.path.startswith("cache.")]
-        if states and (not masked or not any(i.path.startswith("cache.") and len(i.shape) == 4 for i in decode.inputs)):
+        attention = masked and any(i.path.startswith("cache.") and len(i.shape) == 4 for i in decode.inputs)
+        fed = ("input_ids", "position_ids", "attention_mask")
+        states = [i.path for i in decode.inputs if len(i.shape) >= 2 and not i.path.startswith(fed)]
+        if states and not attention:
             raise HfExportError(
                 f"the decode graph in {self.folder} carries a recurrent state ({states[0]}, …), not an attention "
                 "cache; hfexport's decode loops run attention caches only: run the folder's prefill and decode "

@@ -714,13 +714,14 @@ def test_a_decode_graph_of_one_token_takes_the_prompt_token_by_token(tmp_path):
     assert torch.equal(got, expected), (got, expected)
 
 
-def test_a_recurrent_decode_graph_is_refused_for_generation_by_name(tmp_path):
-    import transformers
-
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2", "rwkv"])
+def test_a_recurrent_decode_graph_is_refused_for_generation_by_name(tmp_path, model_type):
+    # Mamba-2's state is 4-D like an attention cache, RWKV's is state.*, not cache.*: the decoders
+    # raised a raw KeyError ('attention_mask', 'cache') and a max() of nothing
     from hfexport import ExportFolder, HfExportError, run_for_generation, save_export
+    from hfexport.models.tiny import build_tiny
 
-    config = transformers.MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8)
-    model = transformers.MambaForCausalLM(config).eval()
+    model = build_tiny(model_type).eval()
     prompt = {"input_ids": torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))}
     results = run_for_generation(model, prompt, [DynamoConfig(dynamic=True)], STATIC, multi_token_decode=True)
     save_export(tmp_path, {name: by_target["dynamo"] for name, by_target in results.items()})
