@@ -140,3 +140,13 @@ def test_an_encoder_decoder_reading_its_encoder_outputs_by_name_generates():
     where the config held a null ``decoder_start_token_id`` beside a ``bos_token_id``."""
     rows = run_case("cohere_asr", (), ("generate:dynamo",))
     assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
+
+
+def test_a_program_that_differs_from_eager_on_its_own_sample_is_refused():
+    """AIMv2's text tower takes another path under torch.export: eager skips the causal mask for an
+    all-ones mask (and its attention then sees both ways), the trace cannot, and the states differ
+    by 2.3 on the sample itself. The export succeeded and every target carried a graph that is not
+    what eager computes, silently, until capture compares the program with eager on the sample."""
+    rows = run_case("aimv2", ("dynamo",))
+    assert rows["dynamo"]["status"] == "export_error", rows["dynamo"]
+    assert "differs from eager on the sample itself" in rows["dynamo"]["cause"]
