@@ -163,7 +163,9 @@ def _export(args: argparse.Namespace) -> int:
     if batch is None:
         # an ExecuTorch generation program takes one row, and a multimodal sample (flattened image
         # patches) cannot be cut to one afterwards
-        batch = 1 if args.generation and any(type(c).__name__ == "ExecutorchConfig" for c in configs) else 2
+        from hfexport.configs import ExecutorchConfig
+
+        batch = 1 if args.generation and any(isinstance(c, ExecutorchConfig) for c in configs) else 2
     inputs = sample_inputs_for(model, source, task, batch, args.seq, generation=args.generation)
     print(f"task {task}; sample inputs: {_shapes(inputs)}", file=sys.stderr, flush=True)
     if not any(getattr(config, "dynamic", False) or config.dynamic_shapes for config in configs):
