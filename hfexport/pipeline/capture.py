@@ -486,20 +486,24 @@ def capture(
     program = _trace(model, widened, dynamic_shapes, config) if widened is not None else None
     from hfexport.pipeline.instruments import default_tolerance
 
-    if program is not None and _eager_difference(model, program, inputs)[0] > default_tolerance(model):
+    expected = _eager_outputs(model, inputs)
+    difference = _program_difference(program, inputs, expected) if program is not None else None
+    if difference is not None and difference > default_tolerance(model):
         logger.warning(
             "the capture of %s from its sample widened to batch 2 differs from eager on the sample itself; "
             "capturing the sample as given (its batch axis stays 1)",
             type(model).__name__,
         )
-        program, widened = None, None
+        program, widened, difference = None, None, None
     if program is None:
         program = _trace(model, inputs, dynamic_shapes, config)
     elif widened is not None:
         # the program carries the caller's sample, not the widened copy (a decode loop reuses its cache)
         program.example_inputs = ((), copy_inputs(inputs))
     check_kwargs_inputs_used(model, program, inputs)
-    _check_follows_eager(model, program, inputs)
+    if difference is None:
+        difference = _program_difference(program, inputs, expected)
+    _check_follows_eager(model, difference, expected)
     table = input_axes(program, inputs, dynamic_shapes)
     _warn_fixed_axes(table)
     return Captured(program, table, bounds, frontend.attention_windows(inputs), batch_widened=widened is not None)
@@ -583,33 +587,39 @@ def widen_batch(inputs: dict[str, Any]) -> dict[str, Any] | None:
     )
 
 
-def _eager_difference(
-    model: torch.nn.Module, program: torch.export.ExportedProgram, inputs: dict[str, Any]
-) -> tuple[float, float]:
-    """The max abs difference between ``program`` and eager on ``inputs`` (infinite when the
-    program cannot run them: a guard of a widened trace that the caller's sample does not meet),
-    and eager's largest output magnitude."""
+def _eager_outputs(model: torch.nn.Module, inputs: dict[str, Any]) -> list[torch.Tensor]:
+    """Eager's output tensors on ``inputs`` (flattened), the reference the capture is checked with."""
+    from hfexport.pipeline.artifacts import flat_tensors
+
+    with eval_mode(model), torch.no_grad():
+        return flat_tensors(model(**copy_inputs(inputs)))
+
+
+def _program_difference(
+    program: torch.export.ExportedProgram, inputs: dict[str, Any], expected: list[torch.Tensor]
+) -> float:
+    """The max abs difference between ``program`` on ``inputs`` and eager's ``expected``; infinite
+    when the program cannot run them (a guard of a widened trace that the caller's sample does not
+    meet, other shapes or another count of outputs)."""
     from hfexport.pipeline.artifacts import flat_tensors
     from hfexport.pipeline.instruments import max_abs_diff
 
-    with eval_mode(model), torch.no_grad():
-        expected = flat_tensors(model(**copy_inputs(inputs)))
-        scale = max((t.abs().max().item() for t in expected if t.is_floating_point() and t.numel()), default=0.0)
+    with torch.no_grad():
         try:
-            got = flat_tensors(program.module()(**copy_inputs(inputs)))
-            return max_abs_diff(expected, got), scale
-        except Exception:  # a guard the sample does not meet; other shapes or another count of outputs
-            return float("inf"), scale
+            return max_abs_diff(expected, flat_tensors(program.module()(**copy_inputs(inputs))))
+        except Exception:
+            return float("inf")
 
 
-def _check_follows_eager(model: torch.nn.Module, program: torch.export.ExportedProgram, inputs: dict[str, Any]) -> None:
+def _check_follows_eager(model: torch.nn.Module, difference: float, expected: list[torch.Tensor]) -> None:
     """Raise :class:`CaptureError` when the captured program gives other numbers than eager on the
-    sample itself: the model's code took another path under torch.export (AIMv2's text tower: 2.3
-    on its states), and every target would carry the wrong graph. Rounding is not flagged: the
-    allowance is the dtype's tolerance plus 1e-3 of the outputs' largest magnitude."""
+    sample itself (``difference`` from :func:`_program_difference`): the model's code took another
+    path under torch.export (AIMv2's text tower: 2.3 on its states), and every target would carry
+    the wrong graph. Rounding is not flagged: the allowance is the dtype's tolerance plus 1e-3 of
+    the outputs' largest magnitude."""
     from hfexport.pipeline.instruments import default_tolerance
 
-    difference, scale = _eager_difference(model, program, inputs)
+    scale = max((t.abs().max().item() for t in expected if t.is_floating_point() and t.numel()), default=0.0)
     allowed = default_tolerance(model) + 1e-3 * scale
     if difference > allowed:
         raise CaptureError(
