@@ -80,10 +80,30 @@ def load_model(name_or_path: str, task: str | None = None, trust_remote_code: bo
     shown = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
     try:
-        return loader.from_pretrained(folder, **options).eval()
+        model, info = loader.from_pretrained(folder, output_loading_info=True, **options)
     finally:
         if shown:
             transformers_logging.enable_progress_bar()
+    _check_every_weight_loaded(model, info, folder, config)
+    return model.eval()
+
+
+def _check_every_weight_loaded(model: torch.nn.Module, info: dict[str, Any], folder: Path, config: Any) -> None:
+    """Refuse a model whose weights did not all come from the checkpoint: transformers initialises
+    the missing ones at random (and only logs it), and the export would carry them silently."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(key for key, *_ in info.get("mismatched_keys") or ())
+    if not missing and not mismatched:
+        return
+    names = missing or mismatched
+    shown = ", ".join(names[:3]) + (f", … ({len(names)} in all)" if len(names) > 3 else "")
+    what = "are not in the checkpoint" if missing else "have another shape in the checkpoint"
+    saved = getattr(config, "architectures", None) or ["(not recorded)"]
+    raise ConfigError(
+        f"{folder}: weights of {type(model).__name__} {what} ({shown}) and would be random in the export; "
+        f"the checkpoint was saved from {', '.join(saved)}: pick the task it was saved for with --task, "
+        "or check that the folder's weights belong to its config.json"
+    )
 
 
 def _supports_sdpa(loader: Any, config: Any) -> bool:

@@ -238,3 +238,17 @@ def test_a_static_export_prints_the_shapes_it_takes(tmp_path):
     result = run("export", "tiny-bert", "--static", "--out", tmp_path / "out")
     assert "static shapes: the program takes exactly input_ids [2, 8] int64" in result.stderr
     assert "token_type_ids" in program_inputs(tmp_path / "out")
+
+
+def test_a_folder_whose_weights_do_not_fit_the_class_is_refused(tmp_path):
+    """A checkpoint saved from a base BERT, exported for text classification: transformers
+    initialises the classifier at random and only logs it, and the export carried those random
+    weights silently (ShieldGemma 2's folders lost every weight that way and generated other tokens
+    than their model)."""
+    config = transformers.BertConfig(vocab_size=99, **TINY_VISION)
+    transformers.BertModel(config).save_pretrained(tmp_path / "bert")
+    result = run("export", tmp_path / "bert", "--task", "text-classification", "--out", tmp_path / "out", check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert "classifier.bias, classifier.weight" in error and "would be random" in error and "--task" in error
+    assert not (tmp_path / "out").exists()
