@@ -342,6 +342,32 @@ def test_a_max_over_an_outer_axis_stays_out_of_xnnpack(tmp_path):
     torch.testing.assert_close(torch.as_tensor(runner.run({"x": x})[0]), model(x), atol=1e-6, rtol=0)
 
 
+class _ConformerNorm(torch.nn.Module):
+    """A conformer convolution module's batch norm over [batch, channels, length]."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(6).eval()
+        self.norm.running_mean.uniform_(-1, 1)
+        self.norm.running_var.uniform_(0.5, 2)
+
+    def forward(self, x):
+        return self.norm(x * 1.5) * 2.0
+
+
+def test_a_batch_norm_over_batch_and_length_stays_out_of_xnnpack(tmp_path):
+    # XNNPACK's partitioner claimed it, then decomposed it into a 1-D convolution whose reshapes took
+    # one dynamic axis: "XNNPACK reshape only supports 1 dynamic dimension" failed the delegate stage
+    # (Cohere ASR's and Canary's encoders)
+    model = _ConformerNorm()
+    x = torch.randn(2, 6, 8)
+    save_export(tmp_path, {"model": ExecutorchExporter().run(model, {"x": x}, ExecutorchConfig(dynamic=True))})
+    runner = ExportFolder(tmp_path).runner()
+    for shape in [(2, 6, 8), (3, 6, 13)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(torch.as_tensor(runner.run({"x": x})[0]), model(x), atol=1e-5, rtol=0)
+
+
 class _HeadSplitLinear(torch.nn.Module):
     """A linear over part of each attention head (MiniCPM3's rotary half of a query head), whose
     input strides hold the length: [1, heads, length, 8] with strides (64 length, 16, 64, 1)."""

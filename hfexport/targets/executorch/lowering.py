@@ -86,12 +86,13 @@ def partitioners(backend: str) -> list[Any]:
     if backend == "xnnpack":
         from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
         from executorch.backends.xnnpack.partition.config.generic_node_configs import UnsqueezeCopyConfig
-        from executorch.backends.xnnpack.partition.config.node_configs import MaxDimConfig
+        from executorch.backends.xnnpack.partition.config.node_configs import BatchNormConfig, MaxDimConfig
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
 
         stricter = {
             UnsqueezeCopyConfig: _refusing(UnsqueezeCopyConfig, _two_dynamic_axes),
             MaxDimConfig: _refusing(MaxDimConfig, _max_over_an_outer_axis),
+            BatchNormConfig: _refusing(BatchNormConfig, _a_3d_batch_norm_over_two_dynamic_axes),
         }
         return [XnnpackPartitioner(configs=[stricter.get(c, c) for c in ALL_PARTITIONER_CONFIGS])]
     if backend == "portable":
@@ -116,10 +117,24 @@ def _two_dynamic_axes(node: torch.fx.Node) -> bool:
     """An output with two or more dynamic axes: XNNPACK lowers unsqueeze as a static reshape,
     which takes one ("XNNPACK reshape only supports 1 dynamic dimension"; pytorch/executorch#11449,
     the config came with pytorch/executorch#19261)."""
+    value = node.meta.get("val")
+    return value is not None and _dynamic_axes(value) > 1
+
+
+def _dynamic_axes(value: torch.Tensor) -> int:
     from torch.fx.experimental.symbolic_shapes import free_symbols
 
-    value = node.meta.get("val")
-    return value is not None and sum(bool(free_symbols(size)) for size in value.shape) > 1
+    return sum(bool(free_symbols(size)) for size in value.shape)
+
+
+def _a_3d_batch_norm_over_two_dynamic_axes(node: torch.fx.Node) -> bool:
+    """A batch norm over a 3-D input with two or more dynamic axes (batch and length): XNNPACK
+    decomposes it into a 1-D convolution after partitioning (``_passes/decompose_batch_norm.py``),
+    which its ``Conv1dUnsqueezePass`` runs as a 2-D one between reshapes that take one dynamic axis
+    (the same "XNNPACK reshape only supports 1 dynamic dimension" as :func:`_two_dynamic_axes`;
+    the conformer encoders of Cohere ASR and Canary)."""
+    source = node.all_input_nodes[0].meta.get("val") if node.all_input_nodes else None
+    return source is not None and source.dim() == 3 and _dynamic_axes(source) > 1
 
 
 def _max_over_an_outer_axis(node: torch.fx.Node) -> bool:
