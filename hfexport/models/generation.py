@@ -197,6 +197,25 @@ def merge_decode_steps(first: dict[str, Any], second: dict[str, Any]) -> dict[st
     return merged
 
 
+def _check_static_layer_types(model: torch.nn.Module) -> None:
+    """Raise :class:`UnsupportedModelError` when a layer type of the model's config has no static
+    cache layer in transformers: generate cannot build the static cache the components are recorded
+    with (it raised a bare ``KeyError`` naming the type: DeepSeek-V4's ``heavily_compressed_attention``)."""
+    from transformers import cache_utils
+
+    try:
+        layer_types, _ = cache_utils.get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    except Exception:  # a config StaticCache would fail on too: generate's own error says which
+        return
+    unknown = sorted(set(layer_types) - set(cache_utils.STATIC_LAYER_TYPE_MAPPING))
+    if unknown:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has layer types {unknown} for which transformers has no static cache layer "
+            "(cache_utils.STATIC_LAYER_TYPE_MAPPING), and hfexport's generation export records the model with a "
+            "static cache; export it without --generation"
+        )
+
+
 def decompose_for_generation(
     model: torch.nn.Module,
     inputs: Any,
@@ -244,6 +263,7 @@ def decompose_for_generation(
                 f"{new_tokens} tokens generated while recording the components; raise max_cache_len or "
                 f"give a prompt of at most {cache_len - new_tokens} tokens"
             )
+    _check_static_layer_types(model)
     config.max_new_tokens = config.min_new_tokens = new_tokens
     config.do_sample = False
     if config.pad_token_id is None:

@@ -150,3 +150,15 @@ def test_a_program_that_differs_from_eager_on_its_own_sample_is_refused():
     rows = run_case("aimv2", ("dynamo",))
     assert rows["dynamo"]["status"] == "export_error", rows["dynamo"]
     assert "differs from eager on the sample itself" in rows["dynamo"]["cause"]
+
+
+def test_a_layer_type_without_a_static_cache_layer_is_refused_by_name():
+    """DeepSeek-V4's compressed attention layers have no static cache layer in transformers:
+    recording its components stopped inside generate with a bare ``KeyError:
+    'heavily_compressed_attention'`` on every target."""
+    rows = run_case("deepseek_v4", (), ("generate:dynamo",))
+    assert rows["generate:dynamo"]["status"] == "export_error", rows["generate:dynamo"]
+    assert (
+        "'heavily_compressed_attention'] for which transformers has no static cache layer"
+        in (rows["generate:dynamo"]["cause"])
+    )
