@@ -60,7 +60,11 @@ class DecodeMasks:
     :class:`~hfexport.HfExportError` up front for a layer type it cannot build."""
 
     def __init__(
-        self, layer_types: list[str] | None, windows: dict[str, int], dtypes: dict[str, torch.dtype] | None = None
+        self,
+        layer_types: list[str] | None,
+        windows: dict[str, int],
+        dtypes: dict[str, torch.dtype] | None = None,
+        name: str = "attention_mask",
     ) -> None:
         unsupported = sorted(set(layer_types or ()) - {"full_attention"} - set(windows))
         self.chunks = {key: windows[key] for key in windows if key == "chunked_attention"}
@@ -73,15 +77,20 @@ class DecodeMasks:
         self.layer_types = layer_types
         self.windows = windows
         self.dtypes = dtypes or {}
+        self.name = name  # the input's name: an encoder-decoder's decoder takes decoder_attention_mask
 
     @classmethod
     def from_input_paths(
-        cls, paths: list[str], windows: dict[str, int], dtypes: dict[str, torch.dtype] | None = None
+        cls,
+        paths: list[str],
+        windows: dict[str, int],
+        dtypes: dict[str, torch.dtype] | None = None,
+        name: str = "attention_mask",
     ) -> DecodeMasks:
-        """From a decode graph's input keyword paths: ``attention_mask.<layer type>`` for a
-        per-layer-type mask dict, else one ``attention_mask``; ``dtypes`` by path."""
-        types = [path.split(".", 1)[1] for path in paths if path.startswith("attention_mask.")]
-        return cls(types or None, windows, dtypes)
+        """From a decode graph's input keyword paths: ``<name>.<layer type>`` for a per-layer-type
+        mask dict, else one ``<name>``; ``dtypes`` by path."""
+        types = [path.split(".", 1)[1] for path in paths if path.startswith(f"{name}.")]
+        return cls(types or None, windows, dtypes, name)
 
     def _typed(self, path: str, mask: torch.Tensor) -> torch.Tensor:
         # eager attention adds its mask to the scores: 0 where visible, the dtype's minimum where not
@@ -100,10 +109,10 @@ class DecodeMasks:
                 key, span = None, None
             chunk = span if key == "chunked_attention" else None
             window = None if chunk is not None else span
-            return self._typed("attention_mask", decode_mask(valid, query_slots, window, chunk))
+            return self._typed(self.name, decode_mask(valid, query_slots, window, chunk))
         return {
             key: self._typed(
-                f"attention_mask.{key}",
+                f"{self.name}.{key}",
                 decode_mask(valid, query_slots, None, self.chunks[key])
                 if key in self.chunks
                 else decode_mask(valid, query_slots, self.windows.get(key)),
@@ -115,8 +124,8 @@ class DecodeMasks:
         """The masks by flat input path (``attention_mask`` or ``attention_mask.<layer type>``)."""
         masks = self.structured(valid, query_slots)
         if isinstance(masks, dict):
-            return {f"attention_mask.{key}": mask.contiguous() for key, mask in masks.items()}
-        return {"attention_mask": masks.contiguous()}
+            return {f"{self.name}.{key}": mask.contiguous() for key, mask in masks.items()}
+        return {self.name: masks.contiguous()}
 
 
 class StaticCacheDecoder:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hfexport.errors import HfExportError
-from hfexport.generation import Generation, PromptInChunks, TokenStream, decode_mask, greedy_decode
+from hfexport.generation import DecodeMasks, Generation, PromptInChunks, TokenStream, greedy_decode
 
 # generation-config settings that change greedy tokens and that this loop does not apply: refused
 # (the default value of each is what it has when unset)
@@ -149,7 +149,7 @@ class EncoderDecoderGenerator:
                     ("cache.", "encoder_outputs.")
                 ):
                     continue
-                if spec.path == "decoder_attention_mask" and len(spec.shape) == 4:
+                if spec.path.split(".")[0] == "decoder_attention_mask" and len(spec.shape) == 4:
                     continue
                 raise HfExportError(
                     f"the {'decode' if runner is self.decoder else 'prefill'} program in {self.folder} takes an input "
@@ -268,13 +268,18 @@ class EncoderDecoderGenerator:
 
     # --- running ---
 
-    def _mask(self, spec_path: str, runner: Any, valid: torch.Tensor, query_slots: torch.Tensor) -> torch.Tensor:
-        spec = next(i for i in runner.spec.fed if i.path == spec_path)
-        mask = decode_mask(valid, query_slots)
-        if spec.dtype in ("", "bool"):
-            return mask.contiguous()
-        dtype = getattr(torch, spec.dtype)  # eager attention adds a float mask to the scores
-        return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+    @staticmethod
+    def _masks(runner: Any) -> Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(valid, query_slots) -> {path: mask}``: the decoder self-attention masks ``runner``'s
+        program takes (none, one ``decoder_attention_mask``, or one per layer type: T5Gemma's
+        sliding layers), in the dtype it was exported with."""
+        specs = [i for i in runner.spec.fed if i.path.split(".")[0] == "decoder_attention_mask"]
+        if not specs:
+            return lambda valid, query_slots: {}
+        dtypes = {i.path: getattr(torch, i.dtype) for i in specs if i.dtype not in ("", "bool")}
+        return DecodeMasks.from_input_paths(
+            [i.path for i in specs], runner.spec.attention_windows, dtypes, name="decoder_attention_mask"
+        ).by_input_path
 
     def _shared(
         self, runner: Any, encoded: dict[str, torch.Tensor], states: dict[str, torch.Tensor]
@@ -303,10 +308,9 @@ class EncoderDecoderGenerator:
         valid[:, 0] = 1
         start = torch.full((batch, 1), self.decoder_prompt()[0], dtype=torch.long)
         prefill = {"decoder_input_ids": start, **self._shared(self.prefill, encoded, states)}
+        prefill.update(self._masks(self.prefill)(valid, torch.tensor([0])))
         for spec in self.prefill.spec.fed:
-            if spec.path == "decoder_attention_mask":
-                prefill[spec.path] = self._mask(spec.path, self.prefill, valid, torch.tensor([0]))
-            elif spec.path.startswith("cache."):  # an empty cache's token counters
+            if spec.path.startswith("cache."):  # an empty cache's token counters
                 prefill[spec.path] = torch.zeros((), dtype=getattr(torch, spec.dtype or "int64"))
         produced = self.prefill.run_named(prefill)
         shared = self._shared(self.decoder, encoded, states)
@@ -329,14 +333,14 @@ class EncoderDecoderGenerator:
             for i in self.decoder.spec.fed
             if i.path.startswith("cache.") and i.path not in cache
         }
-        runner, folder = self.decoder, self
+        runner, masks = self.decoder, self._masks(self.decoder)
 
         def step(
             input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, positions: Any
         ) -> torch.Tensor:
             fed = {
                 "decoder_input_ids": input_ids.contiguous(),
-                "decoder_attention_mask": folder._mask("decoder_attention_mask", runner, valid, query_slots),
+                **masks(valid, query_slots),
                 **shared,
                 **cross,
                 **cache,

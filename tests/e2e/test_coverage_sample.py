@@ -162,3 +162,12 @@ def test_a_layer_type_without_a_static_cache_layer_is_refused_by_name():
         "'heavily_compressed_attention'] for which transformers has no static cache layer"
         in (rows["generate:dynamo"]["cause"])
     )
+
+
+def test_an_encoder_decoder_with_a_mask_per_layer_type_generates():
+    """T5Gemma's decoder takes ``decoder_attention_mask`` as one mask per layer type (full and
+    sliding attention): the encoder-decoder loop refused the folder ("takes an input
+    'decoder_attention_mask.sliding_attention' ... that hfexport's encoder-decoder loop does not
+    feed") until it built them as the decoder-only loops do."""
+    rows = run_case("t5gemma", (), ("generate:dynamo",))
+    assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
