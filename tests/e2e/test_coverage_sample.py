@@ -171,3 +171,12 @@ def test_an_encoder_decoder_with_a_mask_per_layer_type_generates():
     feed") until it built them as the decoder-only loops do."""
     rows = run_case("t5gemma", (), ("generate:dynamo",))
     assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
+
+
+def test_a_decoder_counting_positions_from_its_cache_generates():
+    """TrOCR's decoder takes no ``position_ids`` (its learned positions count from the cache): the
+    Dynamo and ONNX decode loops passed them anyway ("kwarg keyword mismatch", ``KeyError:
+    'position_ids'``)."""
+    rows = run_case("trocr", (), ("generate:dynamo", "generate:onnx"))
+    assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
+    assert rows["generate:onnx"]["status"] == "pass", rows["generate:onnx"]

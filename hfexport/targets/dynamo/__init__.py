@@ -158,6 +158,8 @@ class DynamoDecoder(StaticCacheDecoder):
         self.masks = DecodeMasks(types, attention_windows(example), dtypes)
         positions = example.get("position_ids")
         self.position_rows = self.rows_of(positions.shape if isinstance(positions, torch.Tensor) else None)
+        # a model that counts positions from its cache (TrOCR's learned positions) takes none
+        self.takes_positions = "position_ids" in example
         passed = {"input_ids", "attention_mask", "position_ids", "cache"}
         self.constants = {k: v for k, v in example.items() if k not in passed}
         self.cache = pytree.tree_map(
@@ -174,12 +176,16 @@ class DynamoDecoder(StaticCacheDecoder):
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
+        if self.takes_positions:
+            positions = {"position_ids": self.positions(position_ids)}
+        else:
+            positions = {}
         with torch.no_grad():
             out = self.module(
                 input_ids=input_ids,
                 attention_mask=self._masks(valid, query_slots),
-                position_ids=self.positions(position_ids),
                 cache=self.cache,
+                **positions,
                 **self.constants,
             )
         return out.logits
