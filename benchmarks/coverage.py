@@ -227,7 +227,7 @@ def transformers_case(model, inputs, second, eager, eager2, target: str) -> dict
 
 
 NEW_TOKENS = 8  # greedy tokens compared with model.generate
-CACHE_LEN = 32  # the generation exports' --max-cache-len
+CACHE_LEN = 64  # the generation exports' --max-cache-len (a multimodal sample prompt holds its image tokens)
 
 
 def _varied_reference(model, prompt: dict) -> list[int]:
