@@ -301,8 +301,12 @@ def run_for_generation(
 
 
 def _takes_several_tokens(kwargs: dict[str, Any]) -> bool:
-    ids = kwargs.get("input_ids")
-    return isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1
+    """Whether a decode step (its recorded ``kwargs``) can take the prompt in the prefill's place:
+    several tokens at once, over an attention cache (a 4-D mask, or one per layer type). A
+    recurrent state (RWKV's) starts from the prefill's output, not from zeros."""
+    ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    attention = isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
+    return attention and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1
 
 
 def _batch_of_one(config: Any) -> bool:

@@ -189,6 +189,57 @@ class StaticCacheDecoder:
                 tensor.zero_()
 
 
+class RecurrentDecoder(StaticCacheDecoder):
+    """A decode ``step`` (see :func:`greedy_decode`) over a ``prefill`` and a ``decode`` program
+    that carry a recurrent state and no attention cache (Mamba's convolution and SSM states,
+    RWKV's ``state.*``): the prefill reads the prompt and returns the states, each decode step
+    takes them with the new token and returns them updated. The states are the programs' own
+    outputs, fed back by path (no initial value is assumed: RWKV's starts at -1e38 in one slot).
+    There is no cache to fill, so ``max_cache_len`` is only the loop's bookkeeping; prompts must
+    share one length (a padding token would enter the state)."""
+
+    max_cache_len = 1 << 16
+
+    def __init__(self, prefill: Any, decode: Any, batch_size: int) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.check_batch_size(decode.spec, batch_size)
+        fed = {"input_ids", "attention_mask"}
+        self.state_paths = [spec.path for spec in decode.spec.fed if spec.path not in fed]
+        made = {o.path for o in prefill.spec.returned} & {o.path for o in decode.spec.returned}
+        missing = [path for path in self.state_paths if path not in made]
+        if missing:
+            raise HfExportError(
+                f"the decode program takes {missing[0]}, which the prefill and decode programs do not both return; "
+                "hfexport's recurrent decode loop feeds back states only: run the folder's programs yourself"
+            )
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self.cache = {}
+
+    def _run(self, runner: Any, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        fed: dict[str, Any] = {"input_ids": input_ids.contiguous(), **self.cache}
+        if any(spec.path == "attention_mask" for spec in runner.spec.fed):
+            fed["attention_mask"] = mask.contiguous()  # what generate passes: every token so far
+        produced = runner.run_named(fed)
+        self.cache = {path: torch.as_tensor(produced[path]).clone() for path in self.state_paths}
+        return torch.as_tensor(produced["logits"])
+
+    def __call__(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: Any
+    ) -> torch.Tensor:
+        end = int(query_slots[-1]) + 1
+        mask = valid[:, :end]
+        if not bool(mask.all()):
+            raise HfExportError(
+                "a recurrent model's decode loop takes prompts of one length (a padding token would enter its "
+                "state); generate the prompts one at a time"
+            )
+        if not self.cache:
+            return self._run(self.prefill, input_ids, mask)
+        return self._run(self.decode, input_ids, mask)
+
+
 class PromptInChunks:
     """A decode ``step`` (see :func:`greedy_decode`) over a decode program that takes at most
     ``size`` tokens per call (one: a recurrent model's, or one exported with a query of one; a

@@ -231,21 +231,23 @@ class ExportFolder:
             )
         decode = self.manifest.component("decode")
         ids = next((i for i in decode.inputs if i.path == "input_ids"), None)
-        # the decode loops run an attention cache (4-D keys and values under cache.*, a hybrid's
-        # convolution states beside them) with its mask; a step without one carries a recurrent
-        # state only (Mamba's, 4-D for Mamba-2; RWKV's state.*)
+        # the targets' decoders run an attention cache (4-D keys and values under cache.*, a
+        # hybrid's convolution states beside them) with its mask; a step without one carries a
+        # recurrent state only (Mamba's, 4-D for Mamba-2; RWKV's state.*), fed back by path
         masked = any(i.path.startswith("attention_mask") for i in decode.inputs)
         attention = masked and any(i.path.startswith("cache.") and len(i.shape) == 4 for i in decode.inputs)
         fed = ("input_ids", "position_ids", "attention_mask")
         states = [i.path for i in decode.inputs if len(i.shape) >= 2 and not i.path.startswith(fed)]
-        if states and not attention:
-            raise HfExportError(
-                f"the decode graph in {self.folder} carries a recurrent state ({states[0]}, …), not an attention "
-                "cache; hfexport's decode loops run attention caches only: run the folder's prefill and decode "
-                "programs yourself"
-            )
-        from hfexport.generation import PromptInChunks
+        from hfexport.generation import PromptInChunks, RecurrentDecoder
 
+        if states and not attention:
+            if "prefill" not in self.manifest.components:
+                raise HfExportError(
+                    f"the decode graph in {self.folder} carries a recurrent state ({states[0]}, …) and the folder has "
+                    "no prefill program to start it from (the model's initial state is its own); run the folder's "
+                    "decode program yourself"
+                )
+            return RecurrentDecoder(self.runner("prefill"), self.runner("decode"), batch_size)
         if ids is not None and 1 not in ids.dynamic and ids.shape[1] == 1:
             # one token per step (a recurrent state cannot take several at once): the prompt too
             return PromptInChunks(self.target.decoder(self.folder, self.manifest, batch_size, self.trust))

@@ -180,3 +180,12 @@ def test_a_decoder_counting_positions_from_its_cache_generates():
     rows = run_case("trocr", (), ("generate:dynamo", "generate:onnx"))
     assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
     assert rows["generate:onnx"]["status"] == "pass", rows["generate:onnx"]
+
+
+def test_a_recurrent_state_model_from_the_command_line_generates():
+    """RWKV carries ``state.*``, no attention cache: the decode loops refused every folder ("carries
+    a recurrent state"), and the command line's export dropped its prefill (its decode takes
+    several tokens), the only program that starts the state (RWKV's initial state is its own)."""
+    rows = run_case("rwkv", (), ("generate:dynamo", "generate:onnx"))
+    assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
+    assert rows["generate:onnx"]["status"] == "pass", rows["generate:onnx"]

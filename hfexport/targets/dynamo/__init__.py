@@ -55,6 +55,7 @@ def load_exported_program(path: str | Path, trust: bool = False) -> torch.export
             f"{path} is not a readable torch.export archive (not a zip file); it may be truncated or from "
             "another program: export again"
         )
+    _import_modeling_modules(path)
     register_cache_pytrees()
     # torch.export logs a traceback before it falls back to its legacy format, and its warning about
     # the unpickling fallback has one argument for two %s (torch/_export/serde/serialize.py)
@@ -86,6 +87,28 @@ def load_exported_program(path: str | Path, trust: bool = False) -> torch.export
             f"{path} is not a readable torch.export archive ({type(error).__name__}: {str(error)[:200]}); "
             "it may be truncated or from another program: export again"
         ) from error
+
+
+_MODELING_MODULE = re.compile(rb"transformers\.models\.[a-z0-9_]+\.modeling_[a-z0-9_]+")
+
+
+def _import_modeling_modules(path: Path) -> None:
+    """Import the transformers modeling modules the archive's input and output specs name: a
+    model's own output class (``MambaCausalLMOutput``) is registered as a pytree node when its
+    module is imported, and a fresh process had not (the load failed: "Deserializing ... in pytree
+    is not registered"). Only installed transformers modules are imported, by a strict pattern."""
+    import importlib
+
+    names: set[str] = set()
+    with zipfile.ZipFile(path) as archive:
+        for member in archive.namelist():
+            if member.endswith(".json"):
+                names.update(m.decode() for m in _MODELING_MODULE.findall(archive.read(member)))
+    for name in sorted(names):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            continue  # another transformers version: the load names what is missing
 
 
 def program_component(program: torch.export.ExportedProgram, captured: Captured | None) -> ComponentSpec:
