@@ -156,6 +156,16 @@ class StaticCacheDecoder:
         }
 
     @staticmethod
+    def cache_length(mask_shapes: list[Any], cache_shapes: list[Any]) -> int:
+        """The static cache's length: the key axis of the decode graph's 4-D attention masks (the
+        slots a query can see), else the longest axis 2 of its 4-D cache tensors. A hybrid's 4-D
+        recurrent states beside the keys and values are not slots (Nemotron-H's: 64 against 32)."""
+        keys = [int(shape[3]) for shape in mask_shapes if shape is not None and len(shape) == 4]
+        if keys:
+            return max(keys)
+        return max(int(shape[2]) for shape in cache_shapes if len(shape) == 4)
+
+    @staticmethod
     def rows_of(shape: Any) -> int | None:
         """``position_rows`` for a decode graph's ``position_ids`` of ``shape`` (None: 2-D)."""
         return int(shape[0]) if shape is not None and len(shape) == 3 else None

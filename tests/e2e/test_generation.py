@@ -816,3 +816,20 @@ def test_chunked_attention_generates_model_generate_tokens(tmp_path):
     expected = reference.generate(input_ids=ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 6:].tolist()
     assert len(set(expected)) >= 3
     assert list(hfexport.load(out).generate(ids[0].tolist(), 12).tokens) == expected
+
+
+def test_a_hybrid_with_4d_recurrent_states_decodes_over_its_cache_length(tmp_path):
+    # Nemotron-H's Mamba-2 states are 4-D beside the keys and values, 64 on axis 2 against a cache
+    # of 32: the decoders took 64 for the cache length and built masks the program refused
+    # ("Guard failed: attention_mask['full_attention'].size()[3] == 32"; ONNX Runtime's Add, ExecuTorch's bound)
+    from hfexport import ExportFolder, run_for_generation, save_export
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("nemotron_h").eval()
+    prompt = {"input_ids": torch.randint(0, 128, (1, 6), generator=torch.Generator().manual_seed(0))}
+    results = run_for_generation(model, prompt, [DynamoConfig(dynamic=True)], STATIC, multi_token_decode=True)
+    save_export(tmp_path, {name: by_target["dynamo"] for name, by_target in results.items()})
+    decoder = ExportFolder(tmp_path).decoder(batch_size=1)
+    assert decoder.max_cache_len == STATIC.max_cache_len
+    got = greedy_decode(decoder, prompt["input_ids"], 8, decoder.max_cache_len)
+    assert torch.equal(got, reference_tokens(model, prompt, 8)), got

@@ -189,7 +189,8 @@ class DynamoDecoder(StaticCacheDecoder):
             lambda t: torch.zeros((batch_size, *t.shape[1:]), dtype=t.dtype) if t.dim() >= 2 else torch.zeros_like(t),
             example["cache"],
         )
-        self.max_cache_len = max(t.shape[2] for t in pytree.tree_leaves(self.cache) if t.dim() == 4)
+        masks = [m.shape for m in (mask.values() if isinstance(mask, dict) else [mask]) if m is not None]
+        self.max_cache_len = self.cache_length(masks, [t.shape for t in pytree.tree_leaves(self.cache)])
         self.module = program.module()
 
     def _masks(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:

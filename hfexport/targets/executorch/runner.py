@@ -210,7 +210,8 @@ class ExecutorchDecoder(StaticCacheDecoder):
         # the keys and values the program keeps as its state are not fed: the loop resets only the
         # token counters, and slots left from an earlier sequence are masked until written again
         held = [i.shape for i in self.spec.inputs if i.state] + [list(t.shape) for t in self.cache.values()]
-        self.max_cache_len = max(shape[2] for shape in held if len(shape) == 4)
+        masks = [i.shape for i in self.spec.fed if i.path.startswith("attention_mask")]
+        self.max_cache_len = self.cache_length(masks, held)
         outputs = self.spec.returned
         self.written_at = {o.writes: i for i, o in enumerate(outputs) if o.kind == "write_back"}
         self.logits_index = next(i for i, o in enumerate(outputs) if o.kind == "tensor")

@@ -163,7 +163,8 @@ class OnnxDecoder(StaticCacheDecoder):
                 shape = [batch_size, *spec.shape[1:]] if spec.shape else []  # scalars (token counters) have no axes
                 self.cache[spec.path] = torch.zeros(shape, dtype=_ORT_TYPES[types[spec.name]])
                 self.outputs[spec.path] = pairs[spec.name]
-        self.max_cache_len = max(t.shape[2] for t in self.cache.values() if t.dim() == 4)
+        masks = [i.shape for i in self.spec.fed if i.path.startswith("attention_mask")]
+        self.max_cache_len = self.cache_length(masks, [list(t.shape) for t in self.cache.values()])
         self.logits_name = next(o.name for o in self.spec.outputs if o.kind == "tensor")
         self.masks = DecodeMasks.from_input_paths(
             [i.path for i in self.spec.fed],
