@@ -44,7 +44,10 @@ def _is_child(value: Any) -> bool:
     if isinstance(value, torch.Tensor) or type(value) in _REGISTERED_TYPES:
         return True
     if isinstance(value, (list, tuple)) and value:
-        return all(_is_child(v) for v in value)
+        # an empty list holds a skipped layer's place (MiniMax's linear_cache: [] for attention layers)
+        return all(_is_child(v) or (isinstance(v, list) and not v) for v in value) and any(
+            not isinstance(v, list) or v for v in value
+        )
     if type(value) is dict and value:  # e.g. an SSM layer's {state index: tensor}
         return all(_is_child(v) for v in value.values())
     return False

@@ -189,3 +189,11 @@ def test_a_recurrent_state_model_from_the_command_line_generates():
     rows = run_case("rwkv", (), ("generate:dynamo", "generate:onnx"))
     assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
     assert rows["generate:onnx"]["status"] == "pass", rows["generate:onnx"]
+
+
+def test_a_cache_holding_empty_lists_for_skipped_layers_is_exported():
+    """MiniMax's cache keeps ``linear_cache`` as a list of tensors with ``[]`` in the places of its
+    attention layers: the cache's pytree flattening took the list for a constant and capture failed
+    ("cannot flatten attribute of type FakeTensor into a pytree context")."""
+    rows = run_case("minimax", ("dynamo",))
+    assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
