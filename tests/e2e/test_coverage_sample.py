@@ -197,3 +197,12 @@ def test_a_cache_holding_empty_lists_for_skipped_layers_is_exported():
     ("cannot flatten attribute of type FakeTensor into a pytree context")."""
     rows = run_case("minimax", ("dynamo",))
     assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
+
+
+def test_a_shape_condition_of_the_trace_the_inputs_fail_is_one_line():
+    """SEW's code fixes an arithmetic relation of its input length while tracing, which the
+    manifest's per-axis bounds cannot state: a second length reached the user as torch's bare
+    ``AssertionError: Guard failed: ...``."""
+    rows = run_case("sew", ("dynamo",))
+    assert rows["dynamo"]["status"] == "second_shape_error", rows["dynamo"]
+    assert rows["dynamo"]["cause"].startswith("HfExportError: the inputs' shapes fail a condition"), rows["dynamo"]

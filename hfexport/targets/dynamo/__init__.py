@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hfexport.errors import ArtifactError
+from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
 from hfexport.pipeline.artifacts import flat_tensors
 from hfexport.pipeline.capture import Captured, copy_inputs
@@ -131,8 +131,22 @@ class DynamoRunner(Runner):
         self.ordered(inputs)
         from hfexport.models.frontend import normalize_inputs
 
-        with torch.no_grad():
-            return flat_tensors(self.module(**copy_inputs(normalize_inputs(inputs, renames=True))))
+        return flat_tensors(self._call(copy_inputs(normalize_inputs(inputs, renames=True))))
+
+    def _call(self, kwargs: dict[str, Any]) -> Any:
+        """``module()(**kwargs)``; a shape condition the trace recorded that the inputs fail (a guard
+        the manifest's per-axis bounds cannot state: SEW's length arithmetic) is one line."""
+        try:
+            with torch.no_grad():
+                return self.module(**kwargs)
+        except AssertionError as error:
+            if not str(error).startswith("Guard failed"):
+                raise
+            condition = str(error).removeprefix("Guard failed:").strip()
+            raise HfExportError(
+                f"the inputs' shapes fail a condition the program was traced with ({condition}): the model's "
+                "code fixed it from the sample; export with a sample of these shapes"
+            ) from None
 
     def run_named(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The outputs by keyword path (see :meth:`~hfexport.targets.runner.Runner.by_path`), from
@@ -149,8 +163,7 @@ class DynamoRunner(Runner):
         flat = flat_inputs(inputs)
         leaves, spec = pytree.tree_flatten_with_path(self.example_kwargs)
         values = [flat.get(path_name(path), leaf) for path, leaf in leaves]
-        with torch.no_grad():
-            outputs = self.module(**pytree.tree_unflatten(values, spec))
+        outputs = self._call(pytree.tree_unflatten(values, spec))
         found = self.by_path(flat_tensors(outputs))
         found.update({i.path: flat[i.path] for i in self.spec.inputs if i.written and i.path in flat})
         return found
