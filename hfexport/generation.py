@@ -204,7 +204,7 @@ class RecurrentDecoder(StaticCacheDecoder):
     that carry a recurrent state and no attention cache (Mamba's convolution and SSM states,
     RWKV's ``state.*``): the prefill reads the prompt and returns the states, each decode step
     takes them with the new token and returns them updated. The states are the programs' own
-    outputs, fed back by path (no initial value is assumed: RWKV's starts at -1e38 in one slot).
+    outputs, fed back by path (no initial value is assumed: RWKV's starts at -1e30 in one slot).
     There is no cache to fill, so ``max_cache_len`` is only the loop's bookkeeping; prompts must
     share one length (a padding token would enter the state)."""
 
@@ -252,7 +252,7 @@ class RecurrentDecoder(StaticCacheDecoder):
 
 class PromptInChunks:
     """A decode ``step`` (see :func:`greedy_decode`) over a decode program that takes at most
-    ``size`` tokens per call (one: a recurrent model's, or one exported with a query of one; a
+    ``size`` tokens per call (one: a decode exported with a query of one; a
     few: a model whose convolution state update takes fewer tokens than its kernel): the prompt
     goes in ``size`` tokens at a time. Other attributes (``reset``, ``max_cache_len``) are the
     wrapped step's."""
