@@ -293,11 +293,31 @@ def run_for_generation(
             component_configs.append(config)
         try:
             results[name] = run_targets(module, kwargs, component_configs, instruments, exporters)
+            if name == "decode" and _query_fixed_above_one(results[name]):
+                # the loops feed a decode graph a prompt and then one token; one that takes exactly
+                # the merged sample's tokens could run neither (MiniMax's code fixes the length, as
+                # does a static export): the decode is exported again from one step
+                logger.warning(
+                    "%s's decode graph takes exactly the sample's %d new tokens; exporting it for one token per step",
+                    type(model).__name__,
+                    kwargs["input_ids"].shape[1],
+                )
+                module, kwargs = decompose_for_generation(model, inputs, generation_config)["decode"]
+                results[name] = run_targets(module, kwargs, component_configs, instruments, exporters)
         except HfExportError as error:
             raise type(error)(f"component {name!r}: {error}") from error
         except Exception as error:
             raise HfExportError(f"component {name!r} failed: {type(error).__name__}: {error}") from error
     return results
+
+
+def _query_fixed_above_one(by_target: dict[str, PipelineResult]) -> bool:
+    """Whether a captured decode graph takes a fixed number of new tokens above one."""
+    return any(
+        axis.input == "input_ids" and axis.axis == 1 and not axis.dynamic and axis.size > 1
+        for result in by_target.values()
+        for axis in result.input_axes
+    )
 
 
 def _takes_several_tokens(kwargs: dict[str, Any]) -> bool:

@@ -184,6 +184,11 @@ class DynamoDecoder(StaticCacheDecoder):
         register_cache_pytrees()
         _, example = program.example_inputs
         mask = example["attention_mask"]
+        if any(m is not None and m.dim() != 4 for m in (mask.values() if isinstance(mask, dict) else [mask])):
+            raise HfExportError(
+                "the decode program takes a 2-D attention mask, not a static cache's 4-D one: it writes no cache "
+                "in place (a model whose own cache class grows, as MiniMax's); export decode with a static cache"
+            )
         # a layer type the decode step passes no mask (Inkling's linear attention: None) gets None
         self.no_masks = {key: None for key, value in mask.items() if value is None} if isinstance(mask, dict) else {}
         if isinstance(mask, dict):
