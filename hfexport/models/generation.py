@@ -197,6 +197,33 @@ def merge_decode_steps(first: dict[str, Any], second: dict[str, Any]) -> dict[st
     return merged
 
 
+def _check_prompt_is_causal(model: torch.nn.Module, inputs: Any) -> None:
+    """Raise :class:`UnsupportedModelError` when a prompt token's logits change with a later prompt
+    token (a prefix-LM: PaliGemma's text prompt attends both ways): hfexport's decode loops feed
+    the prompt through the decode graph with a causal mask and would generate other tokens than
+    ``generate``, silently. Checked eagerly on the sample's ids, the last one changed."""
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] < 2:
+        return
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % max(int(getattr(model.config.get_text_config(), "vocab_size", 2)), 2)
+    mask = inputs.get("attention_mask")
+    try:
+        with torch.no_grad(), eval_mode(model):
+            before, after = (
+                model(input_ids=t, **({"attention_mask": mask} if mask is not None else {})).logits[:, :-1]
+                for t in (ids, changed)
+            )
+    except Exception:  # a model that needs more than its ids (pixel values): generate itself will say
+        return
+    if not torch.allclose(before, after, rtol=0, atol=1e-5):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}'s prompt tokens attend to later prompt tokens (a prefix language model), "
+            "and hfexport's decode loops feed the prompt causally, so they would generate other tokens than "
+            "generate; export it without --generation"
+        )
+
+
 def _check_static_layer_types(model: torch.nn.Module) -> None:
     """Raise :class:`UnsupportedModelError` when a layer type of the model's config has no static
     cache layer in transformers: generate cannot build the static cache the components are recorded
@@ -311,6 +338,8 @@ def decompose_for_generation(
             "hfexport's generation export is a cached decode step; export it without --generation, or set "
             "is_decoder=True in the config if the checkpoint is a decoder"
         )
+    if not getattr(model.config, "is_encoder_decoder", False):
+        _check_prompt_is_causal(model, inputs)
     prefill = with_encoder_length_cross_attention(_with_prompt_mask(_clean(model, calls[0]), inputs))
     decode = calls[1]
     if multi_token_decode:

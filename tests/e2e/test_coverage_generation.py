@@ -87,3 +87,12 @@ def test_a_recurrent_state_model_from_the_command_line_generates():
     rows = run_case("rwkv", (), ("generate:dynamo", "generate:onnx"))
     assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
     assert rows["generate:onnx"]["status"] == "pass", rows["generate:onnx"]
+
+
+def test_a_prefix_language_model_is_refused_for_generation_by_name():
+    """PaliGemma's text prompt attends both ways (a prefix LM); the decode loops feed the prompt
+    through the decode graph causally, and every target generated other tokens than
+    ``model.generate``, silently, once its sample prompt fitted the cache."""
+    rows = run_case("paligemma", (), ("generate:dynamo",))
+    assert rows["generate:dynamo"]["status"] == "export_error", rows["generate:dynamo"]
+    assert "attend to later prompt tokens" in rows["generate:dynamo"]["cause"]
