@@ -792,8 +792,15 @@ def test_a_model_returning_no_cache_is_refused_by_name():
     prompt = {"input_ids": torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(0))}
     with pytest.raises(UnsupportedModelError, match="returns no cache from its forward"):
         decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)
-    model.config.is_decoder = True  # the decoder a real checkpoint is: exported as before
-    assert set(decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)) == {"prefill", "decode"}
+    # the decoder a real checkpoint is (is_decoder in its config when built: its layers are causal): exported
+    # as before. Flipping the flag on the built model leaves its layers bidirectional, which the
+    # prompt-causality check refuses
+    from hfexport.models.tiny import tiny_config
+
+    config = tiny_config("bert-generation")
+    config.is_decoder = True
+    decoder = type(model)._from_config(config, attn_implementation="sdpa").eval()
+    assert set(decompose_for_generation(decoder, prompt, STATIC, multi_token_decode=True)) == {"prefill", "decode"}
 
 
 def test_chunked_attention_generates_model_generate_tokens(tmp_path):
