@@ -128,7 +128,13 @@ class TransformersFrontend(Frontend):
           its key axis (the cache length);
         - every axis but the batch of a static cache's tensors (heads, length, head size). Left
           ``Dim.AUTO``, each is a symbol until the trace meets the weights, and the symbolic
-          arithmetic costs: SmolLM2-135M's decode capture took 12.7 s instead of 9.1.
+          arithmetic costs: SmolLM2-135M's decode capture took 12.7 s instead of 9.1;
+        - the height and width of images at the size the config names (``image_size``, which the
+          image processor resizes every image to). Symbolic, a windowed vision transformer's
+          padding and window reshapes grow expressions that sympy's simplification takes
+          minutes on (Swin, Swin2SR, MaskFormer, Donut: no capture within 5 minutes;
+          pytorch/pytorch#141675); a model that takes other sizes is exported for them with
+          ``dynamic_shapes``.
         """
         patch_inputs = ["pixel_values", "pixel_values_videos"]
         if _is_vision_encoder(model):
@@ -136,6 +142,9 @@ class TransformersFrontend(Frontend):
         fixed = {
             name: {1} for name in patch_inputs if isinstance(inputs.get(name), torch.Tensor) and inputs[name].dim() == 2
         }
+        for name in ("pixel_values", "pixel_values_videos"):
+            if _at_configured_image_size(model, inputs.get(name)):
+                fixed[name] = {inputs[name].dim() - 2, inputs[name].dim() - 1}
         key_axis = {3} if _has_static_cache(inputs) else set()
         for name, value in inputs.items():
             masks = list(value.values()) if isinstance(value, dict) else [value]
@@ -147,6 +156,16 @@ class TransformersFrontend(Frontend):
 
     def attention_windows(self, inputs: dict[str, Any]) -> dict[str, int]:
         return attention_windows(inputs)
+
+
+def _at_configured_image_size(model: torch.nn.Module, value: Any) -> bool:
+    """Whether ``value`` is images (``[..., channels, height, width]``) of the size the model's
+    config (or one of its sub-configs) names as ``image_size``."""
+    from hfexport.models.samples import config_image_sizes
+
+    if not isinstance(value, torch.Tensor) or value.dim() < 4:
+        return False
+    return tuple(value.shape[-2:]) in config_image_sizes(getattr(model, "config", None))
 
 
 def _has_static_cache(inputs: dict[str, Any]) -> bool:

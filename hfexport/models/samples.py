@@ -192,6 +192,18 @@ def _configs(config: Any) -> list[Any]:
     return found
 
 
+def config_image_sizes(config: Any) -> set[tuple[int, int]]:
+    """The ``(height, width)`` image sizes the config and its sub-configs name (``image_size``)."""
+    sizes = set()
+    for holder in _configs(config):
+        value = getattr(holder, "image_size", None)
+        if type(value) is int:
+            sizes.add((value, value))
+        elif isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int for v in value):
+            sizes.add((value[0], value[1]))
+    return sizes
+
+
 def _text_config(config: Any) -> Any:
     try:
         return config.get_text_config()

@@ -122,7 +122,8 @@ def check_input(spec: InputSpec, value: Any) -> None:
             if size != sample:
                 raise HfExportError(
                     f"input {spec.name!r} axis {axis} has size {size}, but the program was exported with a static "
-                    f"size {sample} on this axis; export with dynamic=True or dynamic_shapes covering it"
+                    f"size {sample} on this axis (a static export, or the model's code or configuration fixed it); "
+                    "where the model takes other sizes, export with dynamic=True or dynamic_shapes covering it"
                 )
             continue
         low, high = spec.dynamic[axis]

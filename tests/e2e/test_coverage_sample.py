@@ -101,3 +101,20 @@ def test_a_shape_condition_of_the_trace_the_inputs_fail_is_one_line():
     rows = run_case("sew", ("dynamo",))
     assert rows["dynamo"]["status"] == "second_shape_error", rows["dynamo"]
     assert rows["dynamo"]["cause"].startswith("HfExportError: the inputs' shapes fail a condition"), rows["dynamo"]
+
+
+def test_a_windowed_vision_transformer_exports_at_its_configured_image_size():
+    """Swin's padding and window reshapes over a symbolic height and width grew expressions that
+    sympy took minutes to simplify (pytorch/pytorch#141675): no capture within 5 minutes for Swin,
+    Swin V2, Swin2SR, Donut and MaskFormer. Images at the size the config names keep it static."""
+    from hfexport.models.frontend import TRANSFORMERS
+    from hfexport.models.samples import config_sample_inputs
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("swin")
+    inputs = config_sample_inputs(model)
+    assert TRANSFORMERS.static_axes(model, inputs).get("pixel_values") == {2, 3}
+    smaller = {"pixel_values": inputs["pixel_values"][..., :32, :32]}
+    assert "pixel_values" not in TRANSFORMERS.static_axes(model, smaller)
+    rows = run_case("swin", ("dynamo",))
+    assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
