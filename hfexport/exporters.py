@@ -278,11 +278,12 @@ def run_for_generation(
             cache_len = getattr(generation_config, "max_cache_len", None)
             if (
                 cache_len
-                and carries_state
+                and (carries_state or name == "decode")
                 and "encoder_outputs" not in kwargs
                 and getattr(config, "max_seq_len", 0) is None
             ):
-                # a component writing a static cache never sees more tokens than it holds; an
+                # a component writing a static cache never sees more tokens than it holds (nor
+                # does a decode without a cache, which takes the whole sequence); an
                 # encoder-decoder's decoder also takes the encoder's states and mask, as long as
                 # the input (audio frames, a long text), so it keeps the target's default bound
                 config.max_seq_len = cache_len

@@ -250,6 +250,40 @@ class RecurrentDecoder(StaticCacheDecoder):
         return self._run(self.decode, input_ids, mask)
 
 
+class WholeSequenceDecoder:
+    """A decode ``step`` (see :func:`greedy_decode`) over a program that takes no cache (GPT-1,
+    Evolla: their forward takes no past keys and values, and ``generate`` runs the whole sequence
+    at each step): each call appends the new tokens and runs the program on every token so far,
+    with the loop's mask and positions. ``max_cache_len`` is the program's longest sequence (its
+    bound, else the export's ``max_cache_len``)."""
+
+    def __init__(self, decode: Any, max_cache_len: int) -> None:
+        self.decode = decode
+        self.max_cache_len = max_cache_len
+        self.takes = {spec.path for spec in decode.spec.fed}
+        self.input_ids: torch.Tensor | None = None
+        self.position_ids: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.input_ids = self.position_ids = None
+
+    @staticmethod
+    def _grown(sequence: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        return new if sequence is None else torch.cat([sequence, new], dim=-1)
+
+    def __call__(
+        self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: Any
+    ) -> torch.Tensor:
+        self.input_ids = self._grown(self.input_ids, input_ids)
+        fed: dict[str, Any] = {"input_ids": self.input_ids.contiguous()}
+        if "attention_mask" in self.takes:
+            fed["attention_mask"] = valid[:, : self.input_ids.shape[1]].contiguous()
+        if "position_ids" in self.takes:
+            self.position_ids = self._grown(self.position_ids, torch.as_tensor(position_ids).reshape(input_ids.shape))
+            fed["position_ids"] = self.position_ids.contiguous()
+        return torch.as_tensor(self.decode.run_named(fed)["logits"])
+
+
 class PromptInChunks:
     """A decode ``step`` (see :func:`greedy_decode`) over a decode program that takes at most
     ``size`` tokens per call (one: a decode exported with a query of one; a

@@ -326,11 +326,7 @@ def decompose_for_generation(
             f"generate made {len(calls)} forward calls, expected {new_tokens}; cannot tell prefill from decode"
         )
     if not any(holds_cache(value) for value in _clean(model, calls[1]).values()):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} generates without a cache (each step runs the whole sequence again: "
-            "its forward takes no past keys and values), and hfexport's generation export is a cached decode "
-            "step; export it without --generation"
-        )
+        return {"decode": (model, _whole_sequence_step(model, calls, submodules))}
     if not _returns_cache(model, _clean(model, calls[0])):
         raise UnsupportedModelError(
             f"{type(model).__name__} returns no cache from its forward with this config (generate runs the whole "
@@ -375,6 +371,27 @@ def decompose_for_generation(
         components["prefill"] = (model, prefill)
     components["decode"] = (model, decode)
     return components
+
+
+def _whole_sequence_step(
+    model: torch.nn.Module, calls: list[dict[str, Any]], submodules: dict[str, torch.nn.Module]
+) -> dict[str, Any]:
+    """The decode graph's sample for a model whose forward takes no cache (GPT-1, Evolla):
+    ``generate`` runs the whole sequence again at each step, and so does the graph. The sample is
+    its second step (the prompt and one new token) with the attention mask it dropped."""
+    kwargs = _clean(model, calls[1])
+    ids, prompt = kwargs.get("input_ids"), calls[0].get("input_ids")
+    grown = isinstance(ids, torch.Tensor) and isinstance(prompt, torch.Tensor) and ids.shape[1] == prompt.shape[1] + 1
+    if submodules or not grown:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} generates without a cache (each step runs the whole sequence again: its "
+            "forward takes no past keys and values); hfexport exports that as one graph over the whole sequence "
+            "for a decoder-only text model only; export it without --generation"
+        )
+    logger.info("%s generates without a cache: its decode graph takes the whole sequence", type(model).__name__)
+    if "attention_mask" in _forward_parameters(model) and "attention_mask" not in kwargs:
+        kwargs["attention_mask"] = torch.ones_like(ids)  # generate drops an all-ones mask
+    return kwargs
 
 
 def _multi_token_decode_mismatch(

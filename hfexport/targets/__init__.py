@@ -238,8 +238,14 @@ class ExportFolder:
         attention = masked and any(i.path.startswith("cache.") and len(i.shape) == 4 for i in decode.inputs)
         fed = ("input_ids", "position_ids", "attention_mask")
         states = [i.path for i in decode.inputs if len(i.shape) >= 2 and not i.path.startswith(fed)]
-        from hfexport.generation import PromptInChunks, RecurrentDecoder
+        from hfexport.generation import PromptInChunks, RecurrentDecoder, WholeSequenceDecoder
 
+        if not states and not any(i.written or i.state for i in decode.inputs):
+            # no cache at all (GPT-1): the program runs the whole sequence at each step
+            lengths = [(self.manifest.generation or {}).get("max_cache_len")]
+            lengths.append(ids.dynamic[1][1] if ids is not None and 1 in ids.dynamic else None)
+            longest = min((n for n in lengths if n is not None), default=1 << 16)
+            return WholeSequenceDecoder(self.runner("decode"), longest)
         if states and not attention:
             if "prefill" not in self.manifest.components:
                 raise HfExportError(

@@ -96,3 +96,14 @@ def test_a_prefix_language_model_is_refused_for_generation_by_name():
     rows = run_case("paligemma", (), ("generate:dynamo",))
     assert rows["generate:dynamo"]["status"] == "export_error", rows["generate:dynamo"]
     assert "attend to later prompt tokens" in rows["generate:dynamo"]["cause"]
+
+
+def test_a_decoder_without_a_cache_generates_on_every_target():
+    """GPT-1's forward takes no past keys and values (generate runs the whole sequence at each
+    step): its generation export was refused ("generates without a cache"). Its decode graph now
+    takes the whole sequence, and the loops run it so."""
+    generation = tuple(f"generate:{t}" for t in coverage.TARGETS)
+    rows = run_case("openai-gpt", (), generation)
+    for target in generation:
+        assert rows[target]["status"] == "pass", rows[target]
+        assert len(set(rows[target]["expected"])) >= 3, rows[target]

@@ -769,18 +769,6 @@ def test_a_model_whose_generate_fails_with_a_static_cache_is_one_line(tmp_path):
     assert "rerun with --debug" not in done.stderr
 
 
-def test_a_model_generating_without_a_cache_is_refused_by_name():
-    # GPT-1 takes no past keys and values: each step reran the whole sequence, and the decode
-    # capture failed on a shape mismatch between two symbolic lengths
-    from hfexport import UnsupportedModelError
-    from hfexport.models.tiny import build_tiny
-
-    model = build_tiny("openai-gpt")
-    prompt = {"input_ids": torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(0))}
-    with pytest.raises(UnsupportedModelError, match="generates without a cache"):
-        decompose_for_generation(model, prompt, STATIC, multi_token_decode=True)
-
-
 def test_a_model_returning_no_cache_is_refused_by_name():
     # BertGenerationDecoder with is_decoder=False attends both ways and returns no cache, so
     # generate reruns the whole sequence; a cached decode step gave other tokens, silently
@@ -846,3 +834,25 @@ def test_a_hybrid_with_4d_recurrent_states_decodes_over_its_cache_length(tmp_pat
     assert decoder.max_cache_len == STATIC.max_cache_len
     got = greedy_decode(decoder, prompt["input_ids"], 8, decoder.max_cache_len)
     assert torch.equal(got, reference_tokens(model, prompt, 8)), got
+
+
+def test_a_decoder_without_a_cache_generates_a_padded_batch(tmp_path):
+    # GPT-1 has no cache: its decode graph takes the whole sequence, with the loop's mask and
+    # positions (left padding included), as generate runs it
+    from hfexport import ExportFolder, run_for_generation, save_export
+    from hfexport.generation import WholeSequenceDecoder
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("openai-gpt").eval()
+    prompt = {"input_ids": torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))}
+    results = run_for_generation(model, prompt, [DynamoConfig(dynamic=True)], STATIC)
+    assert set(results) == {"decode"}
+    save_export(tmp_path, {"decode": results["decode"]["dynamo"]}, generation={"max_cache_len": 32})
+    decoder = ExportFolder(tmp_path).decoder(batch_size=2)
+    assert isinstance(decoder, WholeSequenceDecoder) and decoder.max_cache_len == 32
+    padded = {
+        "input_ids": torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(1)),
+        "attention_mask": torch.tensor([[1] * 7, [0, 0] + [1] * 5]),
+    }
+    got = greedy_decode(decoder, padded["input_ids"], 10, decoder.max_cache_len, padded["attention_mask"])
+    assert torch.equal(got, reference_tokens(model, padded, 10)), got
