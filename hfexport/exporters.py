@@ -323,10 +323,15 @@ def _query_fixed_above_one(by_target: dict[str, PipelineResult]) -> bool:
 
 def _takes_several_tokens(kwargs: dict[str, Any]) -> bool:
     """Whether a decode step (its recorded ``kwargs``) can take the prompt in the prefill's place:
-    several tokens at once, over an attention cache (a 4-D mask, or one per layer type). A
-    recurrent state (RWKV's) starts from the prefill's output, not from zeros."""
+    several tokens at once, over an attention cache (a 4-D mask, one per layer type, or a 2-D one
+    over a static cache's slots). A recurrent state (RWKV's) starts from the prefill's output, not
+    from zeros."""
+    from hfexport.models.frontend import is_static_cache
+
     ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-    attention = isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
+    # a 2-D mask spans a static cache's slots when the model makes its masks from it (BLOOM)
+    over_slots = isinstance(mask, torch.Tensor) and mask.dim() == 2 and is_static_cache(kwargs.get("cache"))
+    attention = isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4) or over_slots
     return attention and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1
 
 

@@ -65,6 +65,7 @@ class DecodeMasks:
         windows: dict[str, int],
         dtypes: dict[str, torch.dtype] | None = None,
         name: str = "attention_mask",
+        key_padding_length: int | None = None,
     ) -> None:
         unsupported = sorted(set(layer_types or ()) - {"full_attention"} - set(windows))
         self.chunks = {key: windows[key] for key in windows if key == "chunked_attention"}
@@ -78,6 +79,19 @@ class DecodeMasks:
         self.windows = windows
         self.dtypes = dtypes or {}
         self.name = name  # the input's name: an encoder-decoder's decoder takes decoder_attention_mask
+        # one 2-D mask over the static cache's slots, from which the model makes its own masks
+        # (BLOOM's ALiBi): fed which slots hold a token
+        self.key_padding_length = key_padding_length
+
+    def check_cache_length(self, cache_len: int) -> None:
+        """Raise :class:`~hfexport.HfExportError` when the graph's 2-D mask does not span the
+        static cache's ``cache_len`` slots (a model whose own cache grows, as MiniMax's)."""
+        if self.key_padding_length not in (None, cache_len):
+            raise HfExportError(
+                f"the decode program takes a 2-D attention mask of {self.key_padding_length} tokens, not one over "
+                f"its static cache's {cache_len} slots: it writes no cache in place (a model whose own cache class "
+                "grows, as MiniMax's); export decode with a static cache"
+            )
 
     @classmethod
     def from_input_paths(
@@ -86,11 +100,15 @@ class DecodeMasks:
         windows: dict[str, int],
         dtypes: dict[str, torch.dtype] | None = None,
         name: str = "attention_mask",
+        shapes: dict[str, Any] | None = None,
     ) -> DecodeMasks:
         """From a decode graph's input keyword paths: ``<name>.<layer type>`` for a per-layer-type
-        mask dict, else one ``<name>``; ``dtypes`` by path."""
+        mask dict, else one ``<name>``; ``dtypes`` and ``shapes`` by path (a 2-D ``<name>``: a
+        mask over the cache's slots)."""
         types = [path.split(".", 1)[1] for path in paths if path.startswith(f"{name}.")]
-        return cls(types or None, windows, dtypes, name)
+        shape = (shapes or {}).get(name)
+        padding = int(shape[1]) if shape is not None and len(shape) == 2 else None
+        return cls(types or None, windows, dtypes, name, padding)
 
     def _typed(self, path: str, mask: torch.Tensor) -> torch.Tensor:
         # eager attention adds its mask to the scores: 0 where visible, the dtype's minimum where not
@@ -101,6 +119,8 @@ class DecodeMasks:
 
     def structured(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
         """The mask, or ``{layer type: mask}``, as the model's ``attention_mask`` argument."""
+        if self.key_padding_length is not None:
+            return valid.to(self.dtypes.get(self.name, torch.long))
         if self.layer_types is None:
             # one mask serves every layer: when the cache's layers are windowed, all of them are
             # (Mistral, whose mask function applies the window to 2-D masks only)

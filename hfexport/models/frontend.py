@@ -150,7 +150,7 @@ class TransformersFrontend(Frontend):
             masks = list(value.values()) if isinstance(value, dict) else [value]
             if name.endswith("attention_mask") and all(isinstance(m, torch.Tensor) and m.dim() == 4 for m in masks):
                 fixed[name] = {1, *key_axis}
-            if _is_static_cache(value):
+            if is_static_cache(value):
                 fixed[name] = {1, 2, 3}
         return fixed
 
@@ -178,7 +178,7 @@ def _has_static_cache(inputs: dict[str, Any]) -> bool:
     return False
 
 
-def _is_static_cache(value: Any) -> bool:
+def is_static_cache(value: Any) -> bool:
     """A cache whose every layer is static: its tensors are ``[batch, heads, length, head size]``."""
     from transformers import cache_utils
 

@@ -159,6 +159,34 @@ def _with_prompt_mask(kwargs: dict[str, Any], inputs: dict[str, Any]) -> dict[st
     return {**kwargs, "attention_mask": mask.clone()}
 
 
+def _mask_as_generate_passes(model: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with its 2-D attention mask in the form ``generate`` hands a model that makes its
+    own masks for generation from a 2-D one (BLOOM's ALiBi: the mask padded to the static cache's
+    length), as it does for a padded prompt; it passes none for an all-ones one, which the
+    recorded calls lack."""
+    from transformers.generation.utils import GenerationMixin
+
+    mask, cache = kwargs.get("attention_mask"), kwargs.get("cache")
+    own = type(model).create_masks_for_generate if hasattr(type(model), "create_masks_for_generate") else None
+    if own is None or own is getattr(GenerationMixin, "create_masks_for_generate", None) or cache is None:
+        return kwargs
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return kwargs
+    try:
+        made = model.create_masks_for_generate(
+            config=model.config,
+            inputs_embeds=torch.empty((*kwargs["input_ids"].shape[:2], 0)),
+            attention_mask=mask,
+            cache=cache,
+            position_ids=kwargs.get("position_ids"),
+        )
+    except Exception:  # the model's own mask code: the mask stays as it was recorded
+        return kwargs
+    if isinstance(made, torch.Tensor) and made.dim() == 2:
+        return {**kwargs, "attention_mask": made.contiguous()}
+    return kwargs
+
+
 def _single_layer_type_mask(kwargs: dict[str, Any]) -> dict[str, Any]:
     """generate hands some models' decode (Qwen3 with a static cache) a per-layer-type dict of
     masks even when every layer has the same type; the decode graph then takes the one 4-D mask
@@ -336,7 +364,8 @@ def decompose_for_generation(
         )
     if not getattr(model.config, "is_encoder_decoder", False):
         _check_prompt_is_causal(model, inputs)
-    prefill = with_encoder_length_cross_attention(_with_prompt_mask(_clean(model, calls[0]), inputs))
+    prefill = _mask_as_generate_passes(model, _with_prompt_mask(_clean(model, calls[0]), inputs))
+    prefill = with_encoder_length_cross_attention(prefill)
     decode = calls[1]
     if multi_token_decode:
         merged = merge_decode_steps(calls[1], calls[2])
@@ -351,7 +380,8 @@ def decompose_for_generation(
             )
     # the cache can't always tell its length (SSM caches hold states, not tokens): count it
     prompt_length = prefill["input_ids"].shape[1] if "input_ids" in prefill else 0
-    decode = _single_layer_type_mask(_with_attention_mask(_clean(model, decode), past=prompt_length))
+    decode = _with_attention_mask(_clean(model, decode), past=prompt_length)
+    decode = _single_layer_type_mask(_mask_as_generate_passes(model, decode))
     components: Components = {}
     for name, module in submodules.items():
         if not sub_calls[name]:

@@ -856,3 +856,24 @@ def test_a_decoder_without_a_cache_generates_a_padded_batch(tmp_path):
     }
     got = greedy_decode(decoder, padded["input_ids"], 10, decoder.max_cache_len, padded["attention_mask"])
     assert torch.equal(got, reference_tokens(model, padded, 10)), got
+
+
+def test_a_model_making_its_masks_from_a_2d_one_generates_a_padded_batch(tmp_path):
+    # BLOOM builds its ALiBi bias from a 2-D mask that generate pads to the static cache's length:
+    # the prefill graph got the prompt's own mask, and capture failed ("The expanded size of the
+    # tensor (32) must match the existing size (8)"); the decode loops built 4-D masks only
+    from hfexport import ExportFolder, run_for_generation, save_export
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("bloom").eval()
+    prompt = {"input_ids": torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))}
+    results = run_for_generation(model, prompt, [DynamoConfig(dynamic=True)], STATIC, multi_token_decode=True)
+    save_export(tmp_path, {name: by_target["dynamo"] for name, by_target in results.items()})
+    decoder = ExportFolder(tmp_path).decoder(batch_size=2)
+    padded = {
+        "input_ids": torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(1)),
+        "attention_mask": torch.tensor([[1] * 7, [0, 0] + [1] * 5]),
+    }
+    got = greedy_decode(decoder, padded["input_ids"], 10, decoder.max_cache_len, padded["attention_mask"])
+    expected = model.generate(**padded, max_new_tokens=10, min_new_tokens=10, do_sample=False, generation_config=STATIC)
+    assert torch.equal(got, expected), (got, expected)

@@ -179,12 +179,15 @@ class DynamoDecoder(StaticCacheDecoder):
 
         from hfexport.generation import DecodeMasks
         from hfexport.models.caches import register_cache_pytrees
+        from hfexport.models.frontend import is_static_cache
         from hfexport.models.static_layers import attention_windows
 
         register_cache_pytrees()
         _, example = program.example_inputs
         mask = example["attention_mask"]
-        if any(m is not None and m.dim() != 4 for m in (mask.values() if isinstance(mask, dict) else [mask])):
+        masks = [m for m in (mask.values() if isinstance(mask, dict) else [mask]) if m is not None]
+        two_d = isinstance(mask, torch.Tensor) and mask.dim() == 2
+        if any(m.dim() != 4 for m in masks) and not (two_d and is_static_cache(example["cache"])):
             raise HfExportError(
                 "the decode program takes a 2-D attention mask, not a static cache's 4-D one: it writes no cache "
                 "in place (a model whose own cache class grows, as MiniMax's); export decode with a static cache"
@@ -196,7 +199,8 @@ class DynamoDecoder(StaticCacheDecoder):
         else:
             dtypes = {"attention_mask": mask.dtype}
         types = [key for key in mask if key not in self.no_masks] if isinstance(mask, dict) else None
-        self.masks = DecodeMasks(types, attention_windows(example), dtypes)
+        padding = int(mask.shape[1]) if two_d else None
+        self.masks = DecodeMasks(types, attention_windows(example), dtypes, key_padding_length=padding)
         positions = example.get("position_ids")
         self.position_rows = self.rows_of(positions.shape if isinstance(positions, torch.Tensor) else None)
         # a model that counts positions from its cache (TrOCR's learned positions) takes none
@@ -207,8 +211,9 @@ class DynamoDecoder(StaticCacheDecoder):
             lambda t: torch.zeros((batch_size, *t.shape[1:]), dtype=t.dtype) if t.dim() >= 2 else torch.zeros_like(t),
             example["cache"],
         )
-        masks = [m.shape for m in (mask.values() if isinstance(mask, dict) else [mask]) if m is not None]
-        self.max_cache_len = self.cache_length(masks, [t.shape for t in pytree.tree_leaves(self.cache)])
+        leaves = [t.shape for t in pytree.tree_leaves(self.cache)]
+        self.max_cache_len = self.cache_length([m.shape for m in masks], leaves)
+        self.masks.check_cache_length(self.max_cache_len)
         self.module = program.module()
 
     def _masks(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:

@@ -222,7 +222,9 @@ class ExecutorchDecoder(StaticCacheDecoder):
             [i.path for i in self.spec.fed],
             self.spec.attention_windows,
             {i.path: getattr(torch, i.dtype) for i in self.spec.fed if i.path.startswith("attention_mask")},
+            shapes={i.path: i.shape for i in self.spec.fed},
         )
+        self.masks.check_cache_length(self.max_cache_len)
 
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor

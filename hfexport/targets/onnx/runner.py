@@ -170,7 +170,9 @@ class OnnxDecoder(StaticCacheDecoder):
             [i.path for i in self.spec.fed],
             self.spec.attention_windows,
             {i.path: getattr(torch, i.dtype) for i in self.spec.fed if i.path.startswith("attention_mask")},
+            shapes={i.path: i.shape for i in self.spec.fed},
         )
+        self.masks.check_cache_length(self.max_cache_len)
         self.position_rows = self.rows_of(next((i.shape for i in self.spec.fed if i.path == "position_ids"), None))
         self.input_name = {spec.path: spec.name for spec in self.spec.fed}
         self.binding = self.session.io_binding()
