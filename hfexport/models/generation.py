@@ -395,6 +395,10 @@ def decompose_for_generation(
             and set(vision_indices) == set(VISION_INDEX_HELPERS.values())
             and "grid_thw" in kwargs
         ):
+            # the wrapper hands its patches on positionally, whatever the encoder calls them
+            # (hidden_states in Qwen2-VL, pixel_values in MiniMax-M3-VL)
+            patches = next(iter(inspect.signature(module.forward).parameters), "hidden_states")
+            kwargs = {("hidden_states" if k == patches else k): v for k, v in kwargs.items()}
             module, kwargs = VisionEncoderWithIndices(module), {**kwargs, **vision_indices}
         components[name] = (module, kwargs)
     if "language_model" not in components:  # multimodal prefill = the hooked components

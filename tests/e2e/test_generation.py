@@ -877,3 +877,19 @@ def test_a_model_making_its_masks_from_a_2d_one_generates_a_padded_batch(tmp_pat
     got = greedy_decode(decoder, padded["input_ids"], 10, decoder.max_cache_len, padded["attention_mask"])
     expected = model.generate(**padded, max_new_tokens=10, min_new_tokens=10, do_sample=False, generation_config=STATIC)
     assert torch.equal(got, expected), (got, expected)
+
+
+def test_a_vision_encoder_naming_its_patches_pixel_values_is_wrapped_with_its_indices():
+    # MiniMax-M3-VL's vision tower calls its patches pixel_values (Qwen2-VL's: hidden_states): the
+    # image encoder's recorded inputs did not fit the wrapper that takes the rotary positions and
+    # image boundaries as inputs ("VisionEncoderWithIndices.forward has no parameter 'pixel_values'")
+    from hfexport.models.samples import config_sample_inputs
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("minimax_m3_vl").eval()
+    sample = config_sample_inputs(model, batch=1)
+    encoder, kwargs = decompose_for_generation(model, sample, STATIC)["image_encoder"]
+    with torch.no_grad():
+        wrapped = encoder(**kwargs).last_hidden_state
+        own = encoder.encoder(sample["pixel_values"], sample["image_grid_thw"]).last_hidden_state
+    assert torch.equal(wrapped, own)
