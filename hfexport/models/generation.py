@@ -339,15 +339,15 @@ def decompose_for_generation(
             scope.enter_context(_recording(module, sub_calls[name]))
         try:
             model.generate(**copy_inputs(inputs), generation_config=config)
-        except (IndexError, RuntimeError) as error:
+        except (IndexError, RuntimeError, TypeError) as error:
             # e.g. CPM-Ant: prompt_length ids of its own overflow a cache of 32, and its mask does not
-            # follow a longer static cache
+            # follow a longer static cache; T5Gemma 2's decoder masks find no cross-attention mask
             more = f" of {cache_len} tokens" if cache_len else ""
             raise HfExportError(
                 f"{type(model).__name__}.generate failed on the sample prompt with the static cache{more} "
                 f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}): its code may not "
-                "support a static cache, or may add tokens of its own to the prompt (then a larger --max-cache-len "
-                "helps)"
+                "support a static cache, may need inputs the sample lacks (a processor's), or may add tokens of its "
+                "own to the prompt (then a larger --max-cache-len helps)"
             ) from error
     if len(calls) < new_tokens:
         raise HfExportError(

@@ -893,3 +893,19 @@ def test_a_vision_encoder_naming_its_patches_pixel_values_is_wrapped_with_its_in
         wrapped = encoder(**kwargs).last_hidden_state
         own = encoder.encoder(sample["pixel_values"], sample["image_grid_thw"]).last_hidden_state
     assert torch.equal(wrapped, own)
+
+
+def test_generate_failing_with_a_static_cache_is_one_line(tmp_path, capsys):
+    # T5Gemma 2's generate fails with a static cache on an image prompt (its decoder finds no
+    # cross-attention mask): transformers' bare TypeError reached the user
+    from hfexport.cli import main as cli
+    from hfexport.models.tiny import build_tiny
+
+    build_tiny("t5gemma2").save_pretrained(tmp_path / "checkpoint")
+    code = cli(
+        ["export", str(tmp_path / "checkpoint"), "--generation", "--format", "dynamo", "--out", str(tmp_path / "out")]
+    )
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hfexport: error")]
+    assert code != 0 and len(errors) == 1, errors
+    assert "generate failed on the sample prompt with the static cache" in errors[0], errors
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
