@@ -356,7 +356,12 @@ def _first_row(inputs: Any) -> Any:
     return {**inputs, **{name: v[:1] for name, v in tensors.items()}}
 
 
-CLEANUP_PASSES = ("remove_tensor_metadata_asserts", "remove_noop_conversions", "mark_cache_mutations")
+CLEANUP_PASSES = (
+    "remove_tensor_metadata_asserts",
+    "remove_noop_conversions",
+    "remove_noop_squeezes",
+    "mark_cache_mutations",
+)
 # what OnnxConfig(optimize=False) leaves out of the default list
 ONNX_OPTIMIZATIONS = ("onnx_optimizer", "onnx_ort_fusions", "onnx_group_query_attention")
 

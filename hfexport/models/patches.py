@@ -244,6 +244,76 @@ def _selective_scan_as_scan_op(original: Callable) -> Callable:
 
 
 @register_patch(
+    "torch.nn.modules.rnn:LSTM.forward",
+    name="lstm_as_scan_op",
+    reason=(
+        "torch.export decomposes nn.LSTM into a Python loop over the time axis and fixes that axis to the "
+        "sample's length (Parakeet's and Nemotron ASR's transducer predictors: a program that takes only "
+        "the sample's decoder tokens). The same recurrence as torch's scan higher-order op traces once for "
+        "any length; packed sequences and projected LSTMs keep torch's own forward"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/115092",
+)
+def _lstm_as_scan_op(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(self: torch.nn.LSTM, input: Any, hx: Any = None) -> Any:
+        from torch._higher_order_ops.scan import scan
+
+        if not isinstance(input, torch.Tensor) or self.proj_size > 0:
+            return original(self, input, hx)  # a PackedSequence
+        batched = input.dim() == 3
+        if batched:
+            steps = input.transpose(0, 1) if self.batch_first else input  # time first: scan walks axis 0
+        else:
+            steps = input.unsqueeze(1)
+        directions = 2 if self.bidirectional else 1
+        shape = (self.num_layers * directions, steps.shape[1], self.hidden_size)
+        if hx is None:
+            h0, c0 = steps.new_zeros(shape), steps.new_zeros(shape)  # two: scan refuses aliased carries
+        else:
+            h0, c0 = (h if batched else h.unsqueeze(1) for h in hx)
+        last_h, last_c = [], []
+        for layer in range(self.num_layers):
+            outputs = []
+            for direction in range(directions):
+                suffix = f"l{layer}" + ("_reverse" if direction else "")
+                w_ih, w_hh = getattr(self, f"weight_ih_{suffix}"), getattr(self, f"weight_hh_{suffix}")
+                sequence = steps.flip(0) if direction else steps
+                gates_in = sequence @ w_ih.T  # every step's input projection at once, outside the scan
+                if self.bias:
+                    gates_in = gates_in + getattr(self, f"bias_ih_{suffix}") + getattr(self, f"bias_hh_{suffix}")
+
+                index = layer * directions + direction
+                carry = (h0[index].clone(), c0[index].clone())
+                (h, c), out = scan(_lstm_step(w_hh.T.contiguous()), carry, gates_in)
+                outputs.append(out.flip(0) if direction else out)
+                last_h.append(h)
+                last_c.append(c)
+            steps = torch.cat(outputs, dim=-1) if directions == 2 else outputs[0]
+        output = steps.transpose(0, 1) if batched and self.batch_first else steps
+        h_n, c_n = torch.stack(last_h), torch.stack(last_c)
+        if not batched:
+            output, h_n, c_n = output.squeeze(1), h_n.squeeze(1), c_n.squeeze(1)
+        return output, (h_n, c_n)
+
+    return forward
+
+
+def _lstm_step(w_hh_t: torch.Tensor) -> Callable:
+    """One LSTM time step over ``(h, c)`` given the step's input projection (torch's gate order;
+    ``w_hh_t``: the hidden-to-hidden weight transposed)."""
+
+    def step(carry: tuple[torch.Tensor, torch.Tensor], gates_x: torch.Tensor) -> tuple:
+        h, c = carry
+        i, f, g, o = (gates_x + h @ w_hh_t).chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return (h, c), h.clone()
+
+    return step
+
+
+@register_patch(
     "transformers.models.rwkv.modeling_rwkv:rwkv_linear_attention_cpu",
     name="rwkv_recurrence_as_scan_op",
     reason=(

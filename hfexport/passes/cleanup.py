@@ -67,7 +67,34 @@ def remove_noop_conversions(graph_module: GraphModule) -> int:
     return removed
 
 
-@graph_pass(runs_after=("remove_tensor_metadata_asserts", "remove_runtime_asserts", "remove_noop_conversions"))
+@graph_pass()
+def remove_noop_squeezes(graph_module: GraphModule) -> int:
+    """Replace squeezes that removed no axis when traced (the axis was not of size 1, as a
+    symbolic axis never is under torch.export) by their input. torch squeezes an axis only when
+    it is 1, ONNX's Squeeze fails on any other size: Parakeet's ``.squeeze(2)`` of its decoder
+    token axis failed in ONNX Runtime for every batch of more than one token."""
+    removed = 0
+    for node in list(graph_module.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.squeeze.dim, aten.squeeze.dims):
+            continue
+        source = node.args[0]
+        before = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        after = node.meta.get("val")
+        if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dim() == after.dim():
+            node.replace_all_uses_with(source)
+            graph_module.graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+@graph_pass(
+    runs_after=(
+        "remove_tensor_metadata_asserts",
+        "remove_runtime_asserts",
+        "remove_noop_conversions",
+        "remove_noop_squeezes",
+    )
+)
 def dead_code_elimination(graph_module: GraphModule) -> int:
     """Remove nodes whose results are unused and that have no side effects."""
     before = len(graph_module.graph.nodes)

@@ -95,3 +95,28 @@ def test_explicit_contiguous_copies_keeps_the_copies_through_a_retrace():
     assert count(retraced, torch.ops.aten.clone.default) >= 2
     for got, want in zip(retraced.module()(x), expected, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+class Squeezes(torch.nn.Module):
+    def forward(self, x):
+        return x.squeeze(2) + x.squeeze(1).unsqueeze(1)  # axis 2 is not 1: a no-op; axis 1 is
+
+
+def test_remove_noop_squeezes_keeps_real_ones_and_runs_on_onnx_runtime(tmp_path):
+    # a squeeze of an axis that is not 1 is torch's no-op and ONNX's error (Parakeet's .squeeze(2)
+    # of its decoder token axis: "Dimension of input 2 must be 1 instead of 4" in ONNX Runtime)
+    import onnxruntime
+
+    x = torch.randn(2, 1, 4, 3)
+    dims = {0: torch.export.Dim.AUTO, 2: torch.export.Dim.AUTO}
+    program = torch.export.export(Squeezes(), (x,), dynamic_shapes=(dims,))
+    assert count(program, torch.ops.aten.squeeze.dim) == 2
+    result = get_pass("remove_noop_squeezes")(program)
+    assert count(result.program, torch.ops.aten.squeeze.dim) == 1
+    assert result.counts == {"rewritten": 1}
+    other = torch.randn(3, 1, 5, 3)
+    torch.testing.assert_close(result.program.module()(other), Squeezes()(other), atol=0, rtol=0)
+    torch.onnx.export(result.program, (x,), str(tmp_path / "m.onnx"), dynamo=True)
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"))
+    (got,) = session.run(None, {session.get_inputs()[0].name: other.numpy()})
+    torch.testing.assert_close(torch.from_numpy(got), Squeezes()(other))
