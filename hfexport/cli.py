@@ -180,12 +180,16 @@ def _export(args: argparse.Namespace) -> int:
             print(f"component {index + 1}/{count}: {name}", file=sys.stderr, flush=True)
 
         components = [c.strip() for c in args.components.split(",") if c.strip()] if args.components else None
+        # a decoder-only decode takes the prompt too; an encoder-decoder's decoder prompt goes
+        # through its prefill, then one token per step (a decode traced on two merged tokens kept
+        # runtime checks that a slice of them is at least two long: BERT2BERT's positions)
+        several_tokens = not getattr(model.config, "is_encoder_decoder", False)
         by_component = run_for_generation(
             model,
             inputs,
             configs,
             generation_config,
-            True,
+            several_tokens,
             progress,
             on_component=announce,
             components=components,

@@ -107,3 +107,13 @@ def test_a_decoder_without_a_cache_generates_on_every_target():
     for target in generation:
         assert rows[target]["status"] == "pass", rows[target]
         assert len(set(rows[target]["expected"])) >= 3, rows[target]
+
+
+def test_a_bert2bert_model_generates_on_dynamo_and_onnx():
+    """EncoderDecoderModel's BERT decoder slices its position table by the cache length: a decode
+    traced on two merged tokens kept a runtime check that the slice is at least two long, and the
+    one-token steps of the encoder-decoder loop failed it ("Runtime assertion failed for expression
+    u2 >= 2"). The command line exports an encoder-decoder's decode for one token per step."""
+    rows = run_case("encoder-decoder", (), ("generate:dynamo", "generate:onnx"))
+    for target in ("generate:dynamo", "generate:onnx"):
+        assert rows[target]["status"] == "pass", rows[target]
