@@ -488,7 +488,7 @@ def capture(
 
     expected = _eager_outputs(model, inputs)
     difference = _program_difference(program, inputs, expected) if program is not None else None
-    if difference is not None and difference > default_tolerance(model):
+    if difference is not None and difference[0] > default_tolerance(model):
         logger.warning(
             "the capture of %s from its sample widened to batch 2 differs from eager on the sample itself; "
             "capturing the sample as given (its batch axis stays 1)",
@@ -597,21 +597,39 @@ def _eager_outputs(model: torch.nn.Module, inputs: dict[str, Any]) -> list[torch
 
 def _program_difference(
     program: torch.export.ExportedProgram, inputs: dict[str, Any], expected: list[torch.Tensor]
-) -> float:
-    """The max abs difference between ``program`` on ``inputs`` and eager's ``expected``; infinite
-    when the program cannot run them (a guard of a widened trace that the caller's sample does not
-    meet, other shapes or another count of outputs)."""
+) -> tuple[float, str | None]:
+    """The max abs difference between ``program`` on ``inputs`` and eager's ``expected``, and
+    ``None``; infinite, with why, when the program cannot run them (a guard of a widened trace that
+    the caller's sample does not meet, other shapes or another count of outputs)."""
     from hfexport.pipeline.artifacts import flat_tensors
     from hfexport.pipeline.instruments import max_abs_diff
 
     with torch.no_grad():
         try:
-            return max_abs_diff(expected, flat_tensors(program.module()(**copy_inputs(inputs))))
-        except Exception:
-            return float("inf")
+            got = flat_tensors(program.module()(**copy_inputs(inputs)))
+        except Exception as error:
+            return float("inf"), f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+    difference = max_abs_diff(expected, got)
+    return difference, _unlike_outputs(expected, got) if difference == float("inf") else None
 
 
-def _check_follows_eager(model: torch.nn.Module, difference: float, expected: list[torch.Tensor]) -> None:
+def _unlike_outputs(expected: list[torch.Tensor], got: list[Any]) -> str | None:
+    """How the program's outputs differ from eager's in structure (count, shape) or in an integer
+    output, or ``None``."""
+    if len(expected) != len(got):
+        return f"{len(got)} outputs where eager returns {len(expected)}"
+    for index, (e, g) in enumerate(zip(expected, got, strict=True)):
+        g = torch.as_tensor(g)
+        if tuple(e.shape) != tuple(g.shape):
+            return f"output {index} has shape {list(g.shape)} where eager's has {list(e.shape)}"
+        if not e.is_floating_point() and not torch.equal(e, g.to(e.dtype)):
+            return f"integer output {index} differs from eager's"
+    return None
+
+
+def _check_follows_eager(
+    model: torch.nn.Module, difference: tuple[float, str | None], expected: list[torch.Tensor]
+) -> None:
     """Raise :class:`CaptureError` when the captured program gives other numbers than eager on the
     sample itself (``difference`` from :func:`_program_difference`): the model's code took another
     path under torch.export (AIMv2's text tower: 2.3 on its states), and every target would carry
@@ -619,6 +637,13 @@ def _check_follows_eager(model: torch.nn.Module, difference: float, expected: li
     the outputs' largest magnitude."""
     from hfexport.pipeline.instruments import default_tolerance
 
+    difference, failure = difference
+    if failure is not None:
+        raise CaptureError(
+            f"the program torch.export captured from {type(model).__name__} does not follow eager on its own sample "
+            f"({failure}): the model's code takes another path under torch.export than in eager; the model needs a "
+            "fix upstream (or a patch in hfexport.models.patches)"
+        )
     scale = max((t.abs().max().item() for t in expected if t.is_floating_point() and t.numel()), default=0.0)
     allowed = default_tolerance(model) + 1e-3 * scale
     if difference > allowed:

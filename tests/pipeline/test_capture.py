@@ -229,3 +229,15 @@ def test_qwen2_vl_vision_attention_patch_matches_per_image_attention(monkeypatch
     assert len(masks) == len(encoder.blocks)  # every block attended once over the packed patches
     assert patched.shape == (5, 64)
     torch.testing.assert_close(patched, expected, atol=1e-5, rtol=0)
+
+
+class ShorterWhenExporting(torch.nn.Module):
+    def forward(self, x):
+        return x[:, :1] * 2 if torch.compiler.is_exporting() else x * 2
+
+
+def test_a_program_unlike_eager_in_structure_says_how():
+    # the check that the program follows eager on its sample said "differs from eager (max abs diff
+    # inf)" for outputs of another shape, and for a program that raised on its own sample
+    with pytest.raises(CaptureError, match=r"own sample \(output 0 has shape \[2, 1\] where eager's has \[2, 3\]\)"):
+        DynamoExporter().export(ShorterWhenExporting(), {"x": torch.randn(2, 3)}, DynamoConfig())
