@@ -382,6 +382,7 @@ class OnnxExporter(HfExporter):
     config_class = OnnxConfig
     default_passes = (
         *CLEANUP_PASSES,
+        "complex_as_real",
         "cache_writes_as_scatter",
         "grouped_mm_to_batched_mm",
         "whole_input_convolutions_as_linear",
@@ -415,6 +416,7 @@ class ExecutorchExporter(HfExporter):
     config_class = ExecutorchConfig
     default_passes = (
         *CLEANUP_PASSES,
+        "complex_as_real",
         "grouped_mm_to_batched_mm",
         "whole_input_convolutions_as_linear",
         "dynamic_conv1d_as_conv2d",

@@ -91,3 +91,96 @@ def rotate_half_as_linear(program: Any) -> PassResult:
     if rewritten:
         program.graph_module.recompile()
     return PassResult(program, modified=rewritten > 0, counts={"rewritten": rewritten})
+
+
+def _is_complex(value: Any) -> bool:
+    value = value.meta.get("val") if isinstance(value, Node) else None
+    return isinstance(value, torch.Tensor) and value.is_complex()
+
+
+def _real_axis(dim: int) -> int:
+    """A complex tensor's axis in its real form (a trailing axis of 2 added): negative axes shift."""
+    return dim if dim >= 0 else dim - 1
+
+
+class _ComplexAsReal:
+    """Each complex node of a graph as a real node with a trailing axis of (real, imaginary), the
+    layout of ``view_as_real``."""
+
+    OPS = (
+        aten.polar.default,
+        aten.view_as_complex.default,
+        aten.view_as_real.default,
+        aten.mul.Tensor,
+        aten.slice.Tensor,
+        aten.unsqueeze.default,
+    )
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.graph = graph
+        self.real: dict[Node, Node] = {}
+
+    def parts(self, edit: GraphEditor, node: Node) -> tuple[Node, Node]:
+        pair = self.real[node]
+        return edit.call(aten.select.int, pair, -1, 0), edit.call(aten.select.int, pair, -1, 1)
+
+    def rewrite(self, node: Node) -> Node | None:
+        """The real form of ``node``'s result (``None`` for ``view_as_real``, whose users get its input's)."""
+        edit = GraphEditor(self.graph, node)
+        args = arguments(node)
+        if node.target is aten.view_as_complex.default:
+            return args["self"]
+        if node.target is aten.view_as_real.default:
+            node.replace_all_uses_with(self.real[args["self"]])
+            return None
+        if node.target is aten.polar.default:
+            magnitude, angle = args["abs"], args["angle"]
+            real = edit.call(aten.mul.Tensor, magnitude, edit.call(aten.cos.default, angle))
+            imaginary = edit.call(aten.mul.Tensor, magnitude, edit.call(aten.sin.default, angle))
+            return edit.call(aten.stack.default, [real, imaginary], -1)
+        if node.target is aten.slice.Tensor:
+            rest = [args.get("start"), args.get("end"), args.get("step", 1)]
+            return edit.call(aten.slice.Tensor, self.real[args["self"]], _real_axis(args.get("dim", 0)), *rest)
+        if node.target is aten.unsqueeze.default:
+            return edit.call(aten.unsqueeze.default, self.real[args["self"]], _real_axis(args["dim"]))
+        a, b = args["self"], args["other"]
+        if _is_complex(a) and _is_complex(b):
+            (ar, ai), (br, bi) = self.parts(edit, a), self.parts(edit, b)
+
+            def product(x: Node, y: Node) -> Node:
+                return edit.call(aten.mul.Tensor, x, y)
+
+            real = edit.call(aten.sub.Tensor, product(ar, br), product(ai, bi))
+            imaginary = edit.call(aten.add.Tensor, product(ar, bi), product(ai, br))
+            return edit.call(aten.stack.default, [real, imaginary], -1)
+        pair, scale = (self.real[a], b) if _is_complex(a) else (self.real[b], a)
+        if isinstance(scale, Node):  # a real tensor scales both parts
+            scale = edit.call(aten.unsqueeze.default, scale, -1)
+        return edit.call(aten.mul.Tensor, pair, scale)
+
+
+@register_pass(name="complex_as_real")
+def complex_as_real(program: Any) -> PassResult:
+    """Rewrite complex arithmetic (Llama 4's rotary embedding: ``polar``, ``view_as_complex``, a
+    complex product, ``view_as_real``) as the same arithmetic on (real, imaginary) pairs in a
+    trailing axis. ONNX has no complex tensors (torch.onnx: "No decompositions registered for the
+    complex-valued input") and ExecuTorch's edge dialect cannot take ``view_as_complex``. A graph
+    with a complex op this pass does not know is left as it is."""
+    graph = program.graph
+    touched = [
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and (_is_complex(n) or any(_is_complex(a) for a in n.all_input_nodes))
+    ]
+    if not touched or any(n.target not in _ComplexAsReal.OPS for n in touched):
+        return PassResult(program, modified=False, counts={"rewritten": 0})
+    rewriter = _ComplexAsReal(graph)
+    for node in touched:
+        real = rewriter.rewrite(node)
+        if real is not None:
+            rewriter.real[node] = real
+    for node in reversed(touched):
+        if not node.users:
+            graph.erase_node(node)
+    program.graph_module.recompile()
+    return PassResult(program, modified=True, counts={"rewritten": len(touched)})
