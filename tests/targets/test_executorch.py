@@ -392,3 +392,22 @@ def test_a_linear_over_strided_heads_keeps_the_length_dynamic(tmp_path):
     for length in (2, 7):
         x = torch.randn(1, length, 64)
         torch.testing.assert_close(torch.as_tensor(runner.run({"x": x})[0]), model(x), atol=1e-5, rtol=1e-5)
+
+
+class NoneMaskFirst(torch.nn.Module):
+    def forward(self, attention_mask, hidden_states):
+        # a multimodal language model's mask dict holds None for a mask it builds itself
+        assert attention_mask["full_attention"] is None
+        return torch.clamp(hidden_states * 2.5 + 1, min=-0.5)
+
+
+def test_a_none_user_input_before_the_tensors_lowers(tmp_path):
+    # to_edge lifted the constants it makes from scalars before the first tensor user input and
+    # their specs before the first user input spec (the None one): the verifier refused the program
+    # ("Input spec name _lifted_tensor_constant2 does not match node name ..."; Ovis2's language model)
+    inputs = {"attention_mask": {"full_attention": None}, "hidden_states": torch.randn(2, 3, 4)}
+    result = ExecutorchExporter().run(NoneMaskFirst(), inputs, ExecutorchConfig(dynamic=True))
+    save_export(tmp_path, {"model": result})
+    other = {"attention_mask": {"full_attention": None}, "hidden_states": torch.randn(3, 5, 4)}
+    got = ExportFolder(tmp_path).runner().run(other)[0]
+    torch.testing.assert_close(got, NoneMaskFirst()(**other))

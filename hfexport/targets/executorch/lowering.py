@@ -192,6 +192,33 @@ def _fold_without_guards(original: Any) -> Any:
     return should_fold
 
 
+@register_patch(
+    "executorch.exir.program._program:lift_constant_tensor_pass",
+    name="lifted_constants_in_placeholder_order",
+    reason=(
+        "to_edge lifts the constants its scalar-to-tensor pass made as placeholders before the first user input "
+        "placeholder that is a tensor, and their specs before the first user input spec of any kind: when a user "
+        "input is None (a multimodal language model's mask dict, {'full_attention': None}) the two orders part, "
+        "and the verifier refused the program ('Input spec name _lifted_tensor_constant2 does not match node "
+        "name attention_mask_full_attention'). The input specs are put back in the placeholders' order"
+    ),
+    upstream="https://github.com/pytorch/pytorch/pull/157719",  # torch's own lift_constants_pass, fixed alike
+    scope="to_edge",
+)
+def _lifted_constants_in_placeholder_order(original: Any) -> Any:
+    @functools.wraps(original)
+    def lift_constant_tensor_pass(program: Any) -> Any:
+        program = original(program)
+        signature = program.graph_signature
+        by_name = {getattr(spec.arg, "name", None): spec for spec in signature.input_specs}
+        placeholders = [node.name for node in program.graph.nodes if node.op == "placeholder"]
+        if len(by_name) == len(signature.input_specs) and set(placeholders) == set(by_name):
+            signature.input_specs = [by_name[name] for name in placeholders]
+        return program
+
+    return lift_constant_tensor_pass
+
+
 def to_edge(
     program: torch.export.ExportedProgram, partitioners: list[Any], state_from: dict[str, Any] | None = None
 ) -> Any:
@@ -209,7 +236,8 @@ def to_edge(
     # Decompose SDPA with the math backend: the CPU fused kernel's decomposition lays its output
     # out differently from what capture recorded, and a view after it (GPT-2's Conv1D) then
     # fails with "Cannot view a tensor with shape ... and strides ..." (pytorch/pytorch#136543).
-    with sdpa_kernel(SDPBackend.MATH), patches_applied(["matmul_fold_without_guards"], scope=None):
+    fixes = ["matmul_fold_without_guards", "lifted_constants_in_placeholder_order"]
+    with sdpa_kernel(SDPBackend.MATH), patches_applied(fixes, scope=None):
         edge = _gen_edge_manager_for_partitioners({"forward": partitioners}, {"forward": program}, config, None, False)
     program = edge.exported_program()
     drop_same_layout_copies(program)
