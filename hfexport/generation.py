@@ -274,8 +274,8 @@ class WholeSequenceDecoder:
     """A decode ``step`` (see :func:`greedy_decode`) over a program that takes no cache (GPT-1,
     Evolla: their forward takes no past keys and values, and ``generate`` runs the whole sequence
     at each step): each call appends the new tokens and runs the program on every token so far,
-    with the loop's mask and positions. ``max_cache_len`` is the program's longest sequence (its
-    bound, else the export's ``max_cache_len``)."""
+    with the loop's mask and positions. ``max_cache_len`` is the longest sequence it runs (the
+    smaller of the program's bound and the export's ``max_cache_len``)."""
 
     def __init__(self, decode: Any, max_cache_len: int) -> None:
         self.decode = decode

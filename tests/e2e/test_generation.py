@@ -836,6 +836,14 @@ def test_a_hybrid_with_4d_recurrent_states_decodes_over_its_cache_length(tmp_pat
     assert torch.equal(got, reference_tokens(model, prompt, 8)), got
 
 
+def _padded_prompts() -> dict:
+    """Two prompts of 7 and 5 tokens, the second left-padded."""
+    return {
+        "input_ids": torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(1)),
+        "attention_mask": torch.tensor([[1] * 7, [0, 0] + [1] * 5]),
+    }
+
+
 def test_a_decoder_without_a_cache_generates_a_padded_batch(tmp_path):
     # GPT-1 has no cache: its decode graph takes the whole sequence, with the loop's mask and
     # positions (left padding included), as generate runs it
@@ -850,10 +858,7 @@ def test_a_decoder_without_a_cache_generates_a_padded_batch(tmp_path):
     save_export(tmp_path, {"decode": results["decode"]["dynamo"]}, generation={"max_cache_len": 32})
     decoder = ExportFolder(tmp_path).decoder(batch_size=2)
     assert isinstance(decoder, WholeSequenceDecoder) and decoder.max_cache_len == 32
-    padded = {
-        "input_ids": torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(1)),
-        "attention_mask": torch.tensor([[1] * 7, [0, 0] + [1] * 5]),
-    }
+    padded = _padded_prompts()
     got = greedy_decode(decoder, padded["input_ids"], 10, decoder.max_cache_len, padded["attention_mask"])
     assert torch.equal(got, reference_tokens(model, padded, 10)), got
 
@@ -870,10 +875,7 @@ def test_a_model_making_its_masks_from_a_2d_one_generates_a_padded_batch(tmp_pat
     results = run_for_generation(model, prompt, [DynamoConfig(dynamic=True)], STATIC, multi_token_decode=True)
     save_export(tmp_path, {name: by_target["dynamo"] for name, by_target in results.items()})
     decoder = ExportFolder(tmp_path).decoder(batch_size=2)
-    padded = {
-        "input_ids": torch.randint(3, 200, (2, 7), generator=torch.Generator().manual_seed(1)),
-        "attention_mask": torch.tensor([[1] * 7, [0, 0] + [1] * 5]),
-    }
+    padded = _padded_prompts()
     got = greedy_decode(decoder, padded["input_ids"], 10, decoder.max_cache_len, padded["attention_mask"])
     expected = model.generate(**padded, max_new_tokens=10, min_new_tokens=10, do_sample=False, generation_config=STATIC)
     assert torch.equal(got, expected), (got, expected)
