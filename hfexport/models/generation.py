@@ -21,7 +21,7 @@ import torch
 from hfexport.errors import ConfigError, HfExportError, UnsupportedModelError
 from hfexport.models.frontend import normalize_inputs
 from hfexport.models.static_layers import with_encoder_length_cross_attention
-from hfexport.models.vision import VISION_INDEX_HELPERS, VisionEncoderWithIndices, recording_vision_indices
+from hfexport.models.vision import REQUIRED_VISION_INDICES, VisionEncoderWithIndices, recording_vision_indices
 from hfexport.pipeline.capture import copy_inputs, eval_mode
 from hfexport.pipeline.patches import patches_applied
 
@@ -390,11 +390,7 @@ def decompose_for_generation(
                 "are unknown; check that the sample inputs exercise it (e.g. pixel_values for an image encoder)"
             )
         kwargs = _clean(module, sub_calls[name][0])
-        if (
-            name == "image_encoder"
-            and set(vision_indices) == set(VISION_INDEX_HELPERS.values())
-            and "grid_thw" in kwargs
-        ):
+        if name == "image_encoder" and set(REQUIRED_VISION_INDICES) <= set(vision_indices) and "grid_thw" in kwargs:
             # the wrapper hands its patches on positionally, whatever the encoder calls them
             # (hidden_states in Qwen2-VL, pixel_values in MiniMax-M3-VL)
             patches = next(iter(inspect.signature(module.forward).parameters), "hidden_states")

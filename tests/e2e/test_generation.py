@@ -911,3 +911,21 @@ def test_generate_failing_with_a_static_cache_is_one_line(tmp_path, capsys):
     assert code != 0 and len(errors) == 1, errors
     assert "generate failed on the sample prompt with the static cache" in errors[0], errors
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_vision_encoder_attending_in_windows_takes_its_window_indices_as_inputs():
+    # Qwen2.5-VL's vision tower also orders its patches into windows from grid_thw with a Python loop
+    # (get_vision_window_index): traced, "Could not extract specialized integer from data-dependent
+    # expression" stopped the image encoder's export (Qwen2.5-VL, EXAONE 4.5, HyperCLOVA X Vision V2)
+    from hfexport.models.samples import config_sample_inputs
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("qwen2_5_vl").eval()
+    sample = config_sample_inputs(model, batch=1)
+    encoder, kwargs = decompose_for_generation(model, sample, STATIC)["image_encoder"]
+    assert {"window_index", "cu_window_seqlens"} <= set(kwargs)
+    program = DynamoExporter().export(encoder, kwargs, DynamoConfig(dynamic=True))
+    with torch.no_grad():
+        got = program.module()(**kwargs).pooler_output
+        own = encoder.encoder(sample["pixel_values"], sample["image_grid_thw"]).pooler_output
+    torch.testing.assert_close(got, own, atol=1e-5, rtol=0)
