@@ -41,6 +41,61 @@ def _sdpa_math_backend_on_cpu(original: Callable) -> Callable:
     return scaled_dot_product_attention
 
 
+@register_patch(
+    "torch.nn:Module.to",
+    name="module_to_without_change",
+    reason=(
+        "a forward that casts a submodule to the dtype it already has (SwitchTransformers' router: "
+        "self.classifier.to(self.dtype)) fails non-strict export, whose fake parameters cannot be swapped "
+        '("_apply(): Couldn\'t swap Linear.weight"); a conversion that changes no tensor returns the module as is'
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/153056",
+)
+def _module_to_without_change(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def to(self: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        unchanged = memory_format is None and all(
+            (device is None or t.device == device)
+            and (dtype is None or not (t.is_floating_point() or t.is_complex()) or t.dtype == dtype)
+            for t in tensors
+        )
+        return self if unchanged else original(self, *args, **kwargs)
+
+    return to
+
+
+@register_patch(
+    "transformers.models.switch_transformers.modeling_*:SwitchTransformersExperts.forward",
+    name="switch_experts_dense",
+    reason=(
+        "SwitchTransformers' experts loop in Python over the experts that some token chose (nonzero(), then "
+        "where() per expert): data-dependent, so the trace cannot go through it (Could not guard on Eq(u0, 0)). "
+        "Every expert runs on every token instead and its output counts with the token's routing weight, zero "
+        "where the router did not choose it (or the expert was over capacity): the same sums"
+    ),
+    upstream="https://github.com/huggingface/transformers/issues/38518",
+)
+def _switch_experts_dense(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(
+        self: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        selected_experts: torch.Tensor,
+        routing_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        # selected_experts: [tokens, 1, experts] one-hot (top-1); routing_weights: [tokens, 1]
+        weights = selected_experts.to(routing_weights.dtype) * routing_weights[:, :, None]
+        final = torch.zeros_like(hidden_states)
+        for index in range(self.num_experts):
+            expert_out = self[f"expert_{index}"](hidden_states)
+            final = final + (expert_out * weights[:, 0, index, None]).to(hidden_states.dtype)
+        return final
+
+    return forward
+
+
 def segment_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     """``[length, length]`` boolean mask letting position ``i`` attend to ``j`` only when both
     lie in the same segment of the packed sequence ``cu_seqlens`` (``[0, end_0, end_1, …]``)."""

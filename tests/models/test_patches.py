@@ -48,3 +48,42 @@ def test_an_lstm_with_a_given_state_or_unbatched_input_matches():
     torch.testing.assert_close(output, expected, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(h, h_expected, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(c, c_expected, atol=1e-6, rtol=1e-5)
+
+
+def test_a_forward_casting_a_submodule_to_its_own_dtype_exports():
+    # SwitchTransformers' router runs self.classifier = self.classifier.to(self.dtype) in its forward:
+    # non-strict export failed with "_apply(): Couldn't swap Linear.weight"
+    class Router(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.classifier = torch.nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.classifier = self.classifier.to(torch.float32)
+            return self.classifier(x)
+
+    router, x = Router().eval(), torch.randn(2, 4)
+    with patches_applied(["module_to_without_change"]):
+        program = torch.export.export(router, (x,), strict=False)
+    torch.testing.assert_close(program.module()(x), router(x), atol=0, rtol=0)
+    assert router.to(torch.float64).classifier.weight.dtype == torch.float64  # a real cast still casts
+
+
+def test_switch_transformers_experts_run_densely_with_the_same_sums():
+    # the experts loop over nonzero() of the routing: the trace stopped at "Could not guard on Eq(u0, 0)"
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("switch_transformers").eval()
+    mlp = next(m for m in model.modules() if type(m).__name__ == "SwitchTransformersSparseMLP")
+    mlp.router.expert_capacity = 3  # some tokens over capacity: routed to no expert
+    hidden = torch.randn(2, 5, model.config.d_model)
+    with torch.no_grad():
+        expected = mlp(hidden)
+        with patches_applied(["switch_experts_dense", "module_to_without_change"]):
+            dense = mlp(hidden)
+            program = torch.export.export(
+                mlp, (hidden,), dynamic_shapes=({0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO},), strict=False
+            )
+        longer = torch.randn(3, 9, model.config.d_model)
+        torch.testing.assert_close(dense, expected, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(program.module()(longer), mlp(longer), atol=1e-6, rtol=1e-5)
