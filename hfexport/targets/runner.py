@@ -19,6 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from hfexport.errors import HfExportError
+from hfexport.models.per_image import pieces_by_path
 from hfexport.pipeline.io_names import path_name
 from hfexport.targets.manifest import ComponentSpec, InputSpec
 from hfexport.targets.shape_relations import check_shape_relations
@@ -58,7 +59,7 @@ class Runner:
             )
         found = {o.path: value for o, value in zip(returned, outputs, strict=True) if o.kind != "write_back"}
         found.update({o.writes: value for o, value in zip(returned, outputs, strict=True) if o.kind == "write_back"})
-        return found
+        return pieces_by_path(found)
 
     def ordered(self, inputs: Any, state_given: bool = False) -> list[tuple[InputSpec, Any]]:
         """``(spec, value)`` for every fed input, in the program's order, each checked. An input the
