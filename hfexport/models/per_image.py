@@ -1,24 +1,28 @@
 """Multimodal models whose number of images stays a symbolic axis.
 
 Qwen2-VL-style models (Qwen2/2.5/3-VL, GLM-4V, MiniMax-M3-VL, ...) take every image's patches
-packed in one ``pixel_values`` and their grids in ``image_grid_thw``, one row per image. Two Python
-loops in transformers fix the number of rows to the sample's while tracing:
+packed in one ``pixel_values`` and their grids in ``image_grid_thw``, one row per image. Three
+places in transformers fix the number of rows to the sample's while tracing:
 
-- ``vision_utils.get_vision_position_ids`` loops over ``grid_thw.tolist()``; computed per token
-  instead (:func:`position_ids_per_token`), it needs no loop.
+- ``vision_utils.get_vision_position_ids`` loops over ``grid_thw.tolist()``, and
+  ``get_vision_interpolation_indices_and_weights`` slices a one-element ``cumsum[:-1]`` for a
+  two-image sample; computed per token (:func:`position_ids_per_token`,
+  :func:`interpolation_indices_and_weights`), neither fixes it.
 - ``get_image_features`` splits the encoder's output per image with sizes from ``.tolist()``, and
   the forward concatenates the pieces again. During capture, ``.tolist()`` of a 1-D integer tensor
-  of symbolic length gives a :class:`LazySizes` list, made (and its length fixed, as before) only
-  when something reads it; a split by it gives a :class:`DeferredSplit`, whose ``torch.cat`` is the
-  tensor itself. Returned as an output (``image_outputs.pooler_output``), a deferred split is two
-  outputs of the program, ``<path>.concatenated`` and ``<path>.split_sizes``; the program's
-  outputs unflattened (``ExportedProgram.module()``) and hfexport's runners give eager's pieces
-  again.
+  of symbolic length in a ``get_<modality>_features`` method gives a :class:`LazySizes` list, made
+  (and its length fixed, as before) only when something reads it; a split by it gives a
+  :class:`DeferredSplit`, whose ``torch.cat`` is the tensor itself. Returned as an output
+  (``image_outputs.pooler_output``), a deferred split is two outputs of the program,
+  ``<path>.concatenated`` and ``<path>.split_sizes``; the program's outputs unflattened
+  (``ExportedProgram.module()``) and hfexport's runners give eager's pieces again.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,6 +34,7 @@ from hfexport.pipeline.patches import register_patch
 # Split and concatenated per image, the count fixed by the list: pytorch/pytorch#158786 (data-dependent
 # sizes from .tolist()); a Python loop over a symbolic count cannot be traced
 UPSTREAM = "https://github.com/pytorch/pytorch/issues/158786"
+FEATURES_METHOD = re.compile(r"get_\w+_features")
 
 
 def position_ids_per_token(
@@ -269,7 +274,10 @@ def pieces_by_path(found: dict[str, Any]) -> dict[str, Any]:
 def _per_image_sizes_made_when_read(original: Callable) -> Callable:
     @functools.wraps(original)
     def tolist(self: torch.Tensor) -> Any:
-        if self.dim() == 1 and isinstance(self.shape[0], torch.SymInt) and not self.is_floating_point():
+        # only where the per-image split is made: a modality's feature method (get_image_features,
+        # get_video_features); elsewhere the list is made at once, as the original makes it
+        split_sizes = FEATURES_METHOD.fullmatch(sys._getframe(1).f_code.co_name) is not None
+        if split_sizes and self.dim() == 1 and isinstance(self.shape[0], torch.SymInt) and not self.is_floating_point():
             return LazySizes(self, original)
         return original(self)
 

@@ -34,11 +34,14 @@ def test_interpolation_indices_and_weights_are_transformers_own(mode, merge, ali
 
 
 class SplitAndConcatenate(torch.nn.Module):
-    """get_image_features' pattern: the features split per image by sizes from .tolist(),
-    concatenated again by the forward, the pieces returned too."""
+    """Qwen2-VL's pattern: get_image_features splits the features per image by sizes from
+    .tolist(), the forward concatenates them again and returns the pieces too."""
+
+    def get_image_features(self, features: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(features, grid.prod(-1).tolist())
 
     def forward(self, features: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        pieces = torch.split(features, grid.prod(-1).tolist())
+        pieces = self.get_image_features(features, grid)
         return torch.cat(pieces, dim=0) * 2, pieces
 
 
@@ -64,10 +67,13 @@ def test_a_split_concatenated_again_leaves_the_number_of_images_symbolic():
 
 def test_pieces_that_are_read_are_made_as_before():
     class ReadsThePieces(torch.nn.Module):
-        def forward(self, features: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+        def get_image_features(self, features: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
             sizes = grid.prod(-1).tolist()
             assert len(sizes) == grid.shape[0]  # a read: the list is made
             return torch.stack([piece.sum(0) for piece in torch.split(features, sizes)])
+
+        def forward(self, features: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+            return self.get_image_features(features, grid)
 
     model = ReadsThePieces()
     sample = _sample(2)
