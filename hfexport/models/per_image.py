@@ -4,10 +4,11 @@ Qwen2-VL-style models (Qwen2/2.5/3-VL, GLM-4V, MiniMax-M3-VL, ...) take every im
 packed in one ``pixel_values`` and their grids in ``image_grid_thw``, one row per image. Three
 places in transformers fix the number of rows to the sample's while tracing:
 
-- ``vision_utils.get_vision_position_ids`` loops over ``grid_thw.tolist()``, and
-  ``get_vision_interpolation_indices_and_weights`` slices a one-element ``cumsum[:-1]`` for a
-  two-image sample; computed per token (:func:`position_ids_per_token`,
-  :func:`interpolation_indices_and_weights`), neither fixes it.
+- ``vision_utils.get_vision_position_ids`` and ``get_vision_window_index`` (Qwen2.5-VL's windowed
+  attention) loop over ``grid_thw.tolist()``, and ``get_vision_interpolation_indices_and_weights``
+  slices a one-element ``cumsum[:-1]`` for a two-image sample; computed per token
+  (:func:`position_ids_per_token`, :func:`window_index_per_token`,
+  :func:`interpolation_indices_and_weights`), none fixes it.
 - ``get_image_features`` splits the encoder's output per image with sizes from ``.tolist()``, and
   the forward concatenates the pieces again. During capture, ``.tolist()`` of a 1-D integer tensor
   of symbolic length in a ``get_<modality>_features`` method gives a :class:`LazySizes` list, made
@@ -138,6 +139,52 @@ def _vision_interpolation_per_token(original: Callable) -> Callable:
         )
 
     return get_vision_interpolation_indices_and_weights
+
+
+def window_index_per_token(
+    grid_thw: torch.Tensor, spatial_merge_size: int, window_size: int, patch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``transformers.vision_utils.get_vision_window_index``' result computed per merged token:
+    the windows' order is the argsort of each token's (image, frame, window, place in window), and
+    the windows' boundaries are where that order moves to the next window, so no window is empty
+    (the helper's ``unique_consecutive`` drops the empty ones)."""
+    grid = grid_thw.to(torch.long)
+    frames, height, width = grid.unbind(-1)
+    side = window_size // spatial_merge_size // patch_size  # merged tokens per window side
+    rows, cols = height // spatial_merge_size, width // spatial_merge_size
+    windows_high, windows_wide = (rows + side - rows % side) // side, (cols + side - cols % side) // side
+    tokens, windows = frames * rows * cols, frames * windows_high * windows_wide
+    image = torch.repeat_interleave(torch.arange(grid.shape[0], device=grid.device), tokens)
+    local = torch.arange(image.shape[0], device=grid.device) - (tokens.cumsum(0) - tokens)[image]
+    frame_size, row_length, wide = (rows * cols)[image], cols[image], windows_wide[image]
+    frame, within = local // frame_size, local % frame_size
+    row, col = within // row_length, within % row_length
+    window = (windows.cumsum(0) - windows)[image] + (frame * windows_high[image] + row // side) * wide + col // side
+    window_index = torch.argsort(window * side * side + (row % side) * side + col % side)
+    ordered = window[window_index]
+    starts = torch.cat([ordered.new_ones(1, dtype=torch.bool), ordered[1:] != ordered[:-1]]).nonzero().squeeze(1)
+    ends = torch.cat([starts, starts.new_full((1,), ordered.shape[0])])
+    return window_index, (ends * spatial_merge_size**2).to(torch.int32)
+
+
+@register_patch(
+    "transformers.models.*.modeling_*:get_vision_window_index",
+    name="vision_window_index_per_token",
+    reason="get_vision_window_index loops over grid_thw.tolist(), building each image's windows from its sizes",
+    upstream=UPSTREAM,
+)
+def _vision_window_index_per_token(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_vision_window_index(
+        grid_thw: torch.Tensor, spatial_merge_size: int, window_size: int, patch_size: int, kwargs: dict | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if kwargs is not None:
+            window_index, cu_window_seqlens = kwargs.pop("window_index", None), kwargs.pop("cu_window_seqlens", None)
+            if window_index is not None and cu_window_seqlens is not None:
+                return window_index, cu_window_seqlens
+        return window_index_per_token(grid_thw, spatial_merge_size, window_size, patch_size)
+
+    return get_vision_window_index
 
 
 class LazySizes(list):

@@ -4,9 +4,18 @@ another number of images than their sample's."""
 
 import pytest
 import torch
-from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
+from transformers.vision_utils import (
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
+    get_vision_window_index,
+)
 
-from hfexport.models.per_image import SplitPieces, interpolation_indices_and_weights, position_ids_per_token
+from hfexport.models.per_image import (
+    SplitPieces,
+    interpolation_indices_and_weights,
+    position_ids_per_token,
+    window_index_per_token,
+)
 from hfexport.pipeline.patches import patches_applied
 
 SPLIT_PATCHES = ["per_image_sizes_made_when_read", "split_by_sizes_made_when_read", "cat_of_a_deferred_split"]
@@ -31,6 +40,17 @@ def test_interpolation_indices_and_weights_are_transformers_own(mode, merge, ali
         expected = get_vision_interpolation_indices_and_weights(grid, 5, mode, align_corners, merge, padding)
         got = interpolation_indices_and_weights(grid, 5, mode, align_corners, merge, padding)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@pytest.mark.parametrize("grid", [[[1, 4, 6], [2, 2, 2], [3, 6, 4]], [[1, 16, 12], [1, 4, 4]], [[2, 10, 14]]])
+@pytest.mark.parametrize(("merge", "window", "patch"), [(2, 112, 14), (2, 56, 14), (1, 28, 14)])
+def test_window_index_per_token_is_transformers_own(grid, merge, window, patch):
+    # windows that fill the image exactly (transformers pads them with an empty window row) and not
+    grid = torch.tensor(grid)
+    expected_index, expected_bounds = get_vision_window_index(grid, merge, window, patch)
+    index, bounds = window_index_per_token(grid, merge, window, patch)
+    assert torch.equal(index, expected_index)
+    assert torch.equal(bounds, expected_bounds) and bounds.dtype == expected_bounds.dtype
 
 
 class SplitAndConcatenate(torch.nn.Module):
