@@ -96,6 +96,28 @@ def _switch_experts_dense(original: Callable) -> Callable:
     return forward
 
 
+@register_patch(
+    "transformers.integrations.moe:ExpertsInterface.get_interface",
+    name="eager_experts_as_batched_mm",
+    reason=(
+        "experts left on transformers' eager implementation (OpenAI Privacy Filter asks for it; grouped_mm "
+        "falls back to it where it cannot run) loop in Python over the experts some token chose (nonzero()), "
+        "which the trace cannot go through (Could not guard on Eq(u0, 0)). transformers' batched_mm "
+        "implementation computes each token's chosen experts with gathered weights instead: the same sums, "
+        "in another order"
+    ),
+    upstream="https://github.com/huggingface/transformers/issues/38518",
+)
+def _eager_experts_as_batched_mm(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_interface(self: Any, experts_implementation: str | None, default: Callable) -> Callable:
+        if experts_implementation not in (None, "eager") or "batched_mm" not in self:
+            return original(self, experts_implementation, default)
+        return self["batched_mm"]
+
+    return get_interface
+
+
 def segment_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     """``[length, length]`` boolean mask letting position ``i`` attend to ``j`` only when both
     lie in the same segment of the packed sequence ``cu_seqlens`` (``[0, end_0, end_1, …]``)."""

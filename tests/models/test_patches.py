@@ -87,3 +87,25 @@ def test_switch_transformers_experts_run_densely_with_the_same_sums():
         longer = torch.randn(3, 9, model.config.d_model)
         torch.testing.assert_close(dense, expected, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(program.module()(longer), mlp(longer), atol=1e-6, rtol=1e-5)
+
+
+def test_experts_on_the_eager_implementation_export_as_batched_mm():
+    # OpenAI Privacy Filter keeps its experts on transformers' eager loop over nonzero(): the trace
+    # stopped at "Could not guard on data-dependent expression Eq(u0, 0)"
+    from hfexport.models.tiny import build_tiny
+
+    model = build_tiny("openai_privacy_filter").eval()
+    experts = next(m for m in model.modules() if type(m).__name__ == "OpenAIPrivacyFilterExperts")
+    assert model.config._experts_implementation == "eager"
+    calls = []
+    handle = experts.register_forward_pre_hook(lambda module, args: calls.append(args))
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, model.config.vocab_size, (2, 7)))
+        model(input_ids=torch.randint(0, model.config.vocab_size, (3, 11)))
+    handle.remove()
+    sample, other = calls[0], calls[-1]
+    dims = tuple({0: torch.export.Dim.AUTO} for _ in sample)
+    with torch.no_grad():
+        with patches_applied(["eager_experts_as_batched_mm"]):
+            program = torch.export.export(experts, sample, dynamic_shapes=dims, strict=False)
+        torch.testing.assert_close(program.module()(*other), experts(*other), atol=1e-5, rtol=1e-5)
