@@ -180,6 +180,20 @@ def test_planned_memory_over_the_budget_names_the_bounds_to_lower():
         ExecutorchExporter().export(model, sample_inputs(model), config)
 
 
+def test_a_size_computed_from_input_values_without_a_bound_is_refused_by_name():
+    # Qwen2-VL's image patches per token come from repeat_interleave over image_grid_thw: memory
+    # planning stopped at "Cannot evaluate a finite upper bound for symbolic expression u16 (int_oo)"
+    from hfexport import UnsupportedModelError
+
+    class RepeatsRows(torch.nn.Module):
+        def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            return x[torch.repeat_interleave(counts)] * 2
+
+    inputs = {"x": torch.randn(5, 3), "counts": torch.tensor([1, 2, 2])}
+    with pytest.raises(UnsupportedModelError, match=r"sizes computed from its input values.*Dynamo or ONNX"):
+        ExecutorchExporter().export(RepeatsRows().eval(), inputs, ExecutorchConfig(dynamic=True))
+
+
 def test_a_config_without_a_length_limit_gets_the_default_sequence_bound():
     from hfexport.targets.executorch.lowering import memory_planning_bounds
 

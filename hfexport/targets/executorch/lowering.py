@@ -731,6 +731,7 @@ def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
     memory (``planned_memory_mb``) and raises :class:`ConfigError` when it exceeds the budget
     (``max_planned_memory_mb``), naming the bounds that set it."""
     from executorch.exir import ExecutorchBackendConfig
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     from hfexport.targets.executorch.memory_planning import planning_pass
 
@@ -738,7 +739,18 @@ def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
     with warnings.catch_warnings():
         # "buffers that are mutated ... have a meaningless initial state": ours carry one (et_init_buffer)
         warnings.filterwarnings("ignore", message="Mutation on a buffer in the model is detected")
-        program = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
+        try:
+            program = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
+        except (GuardOnDataDependentSymNode, RuntimeError) as error:
+            unbounded = isinstance(error, GuardOnDataDependentSymNode) or "finite upper bound" in str(error)
+            if not unbounded:
+                raise
+            raise UnsupportedModelError(
+                "the program has sizes computed from its input values, with no upper bound (the tokens a "
+                "repeat_interleave makes, such as the image patches an image_grid_thw counts), and ExecuTorch plans "
+                f"memory for the largest size of each ({str(error).splitlines()[0]}); export it to Dynamo or ONNX "
+                "(pytorch/pytorch#158786)"
+            ) from error
     planned = planned_memory_mb(program)
     run.current.counts["planned_memory_mb"] = round(planned)
     budget = config.max_planned_memory_mb or default_memory_budget_mb()
