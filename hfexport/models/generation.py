@@ -33,7 +33,7 @@ Components = dict[str, tuple[torch.nn.Module, dict[str, Any]]]
 # logits of every query position and take no use_cache / return_dict inputs (both on by default).
 # Anything forward only receives through **kwargs is dropped too (see _clean): torch.export
 # cannot take **kwargs inputs together with dynamic shapes.
-_DROPPED_FLAGS = ("logits_to_keep", "use_cache", "return_dict")
+_DROPPED_FLAGS = ("logits_to_keep", "use_cache", "return_dict", "output_attentions", "output_hidden_states")
 
 # Where multimodal models keep the module mapping encoder features into the language model's
 # embedding space, when they have one outside the encoder.
@@ -71,8 +71,12 @@ def holds_cache(value: Any) -> bool:
     tuple of past tensors (``mems``, ``past_key_values`` as tuples)."""
     from transformers.cache_utils import Cache
 
+    from hfexport.models.caches import EncoderStates
+
     if isinstance(value, Cache) or type(value).__name__.endswith("Cache"):
         return True
+    if isinstance(value, EncoderStates):  # an encoder-decoder's encoder outputs: a tuple of tensors too
+        return False
     return (
         isinstance(value, (tuple, list))
         and bool(value)
@@ -414,8 +418,8 @@ def _whole_sequence_step(
     grown = isinstance(ids, torch.Tensor) and isinstance(prompt, torch.Tensor) and ids.shape[1] == prompt.shape[1] + 1
     if submodules or not grown:
         raise UnsupportedModelError(
-            f"{type(model).__name__} generates without a cache (each step runs the whole sequence again: its "
-            "forward takes no past keys and values); hfexport exports that as one graph over the whole sequence "
+            f"{type(model).__name__} generates without a cache (each step runs the whole sequence again: generate "
+            "passes its forward no past keys and values); hfexport exports that as one graph over the whole sequence "
             "for a decoder-only text model only; export it without --generation"
         )
     logger.info("%s generates without a cache: its decode graph takes the whole sequence", type(model).__name__)

@@ -49,7 +49,7 @@ def sample_inputs_for(
     from hfexport.models.samples import config_sample_inputs, with_rope_positions
 
     from_config = config_sample_inputs(model, batch=batch, seq=seq, seed=seed)
-    text_only = not ({"pixel_values", "input_features", "input_values"} & set(from_config))
+    text_only = not ({"pixel_values", "flattened_patches", "input_features", "input_values"} & set(from_config))
     if generation and text_only:
         prompt = ("input_ids", "attention_mask")
         return {name: value for name, value in from_config.items() if name in prompt or name.startswith("decoder_")}

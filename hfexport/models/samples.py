@@ -42,6 +42,8 @@ def config_sample_inputs(
             inputs.update(extra)
     if params & {"input_features", "input_values"}:
         inputs.update(_audio_inputs(model, config, params, batch, seq, generator))
+    if "flattened_patches" in params and "input_ids" not in params:
+        inputs.update(_flattened_patches(config, batch, generator))
     if "input_ids" in params:
         ids = _token_ids(config, batch, seq, generator)
         if image_token is not None and "pixel_values" in inputs:
@@ -261,6 +263,19 @@ def _pixel_inputs(
     if "pixel_mask" in params:
         extra["pixel_mask"] = torch.ones(batch, size, size, dtype=torch.long)
     return pixels, extra, tokens
+
+
+def _flattened_patches(config: Any, batch: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Pix2Struct's image input: a 4 x 4 grid of patches as rows ``[row, column, pixels...]`` (1-based
+    row and column ids, as its image processor numbers them) and their mask."""
+    width = _side(_find(config, "patch_embed_hidden_size", prefer="vision")) or 768
+    rows, cols = torch.meshgrid(torch.arange(1, 5), torch.arange(1, 5), indexing="ij")
+    ids = torch.stack([rows.flatten(), cols.flatten()], dim=-1).float().expand(batch, -1, -1)
+    pixels = torch.randn(batch, ids.shape[1], width, generator=generator)
+    return {
+        "flattened_patches": torch.cat([ids, pixels], dim=-1),
+        "attention_mask": torch.ones(batch, ids.shape[1], dtype=torch.long),
+    }
 
 
 def _image_tokens(config: Any, size: int, patch: int | None) -> int:

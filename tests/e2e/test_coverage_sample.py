@@ -69,6 +69,19 @@ def test_a_vision_tower_attending_within_each_image_exports_for_any_number_of_im
         assert rows[target]["diff2"] <= coverage.TOLERANCE[target], rows[target]
 
 
+def test_an_image_given_as_flattened_patches_exports_and_its_uncached_generation_is_refused():
+    """Pix2Struct takes its image as flattened patches ([row, column, pixels...] rows): the sweep
+    gave it none ("You have to specify flattened_patches"). Its generate ignores a static cache and
+    runs the whole decoder sequence again at each step; the encoder's outputs (a tuple of tensors)
+    were taken for a cache, and the folder failed at generate ("takes no static self-attention
+    cache"). Now the generation export is refused in one line."""
+    rows = run_case("pix2struct", ("dynamo",), ("generate:dynamo",))
+    assert rows["eager"]["status"] == "ok" and "flattened_patches" in rows["eager"]["inputs"], rows["eager"]
+    assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
+    generation = rows["generate:dynamo"]
+    assert generation["status"] == "export_error" and "generates without a cache" in generation["cause"], generation
+
+
 @pytest.mark.parametrize("model_type", ["jamba", "rwkv"])
 def test_a_recurrence_over_the_sequence_exports_any_length(model_type):
     """Jamba's selective scan (the Mamba patch had matched Mamba's own modules only) and RWKV's time
