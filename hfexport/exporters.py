@@ -428,6 +428,7 @@ class ExecutorchExporter(HfExporter):
         "histc_to_comparisons",
         "sort_to_topk",
         "empty_like_to_zeros_like",
+        "empty_of_symbolic_size_to_zeros",
         "explicit_contiguous_copies",
         "dead_code_elimination",
     )

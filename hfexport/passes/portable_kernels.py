@@ -4,6 +4,8 @@ The ExecuTorch runtime fails to load a method that uses an operator without a ke
 (``error 0x14``, OperatorMissing). In executorch 1.4.1 the portable library has no kernel for
 ``histc``, ``sort`` or ``empty_permuted`` (what ``empty_like`` becomes in edge dialect), all of
 which transformers' MoE routing uses. Each pass rewrites one into ops that have kernels.
+ExecuTorch's own edge passes also fix an ``empty`` of symbolic size to the sample's
+(:func:`empty_of_symbolic_size_to_zeros`).
 """
 
 from __future__ import annotations
@@ -80,4 +82,32 @@ def empty_like_to_zeros_like(graph_module: GraphModule) -> int:
         if node.op == "call_function" and node.target is aten.empty_like.default:
             node.target = aten.zeros_like.default
             rewritten += 1
+    return rewritten
+
+
+_EMPTY_TO_ZEROS = {aten.new_empty.default: aten.new_zeros.default, aten.empty.memory_format: aten.zeros.default}
+
+
+@graph_pass()
+def empty_of_symbolic_size_to_zeros(graph_module: GraphModule) -> int:
+    """Rewrite ``new_empty`` / ``empty`` of a symbolic size as ``new_zeros`` / ``zeros``. to_edge
+    turns an ``empty`` into ExecuTorch's ``_empty_dim_order``, whose size is ``int[]``: reading the
+    symbolic size as an int fixed the axes to the sample's for the whole program (multi-head latent
+    attention's keys, ``new_empty`` then two slice copies: GLM-4-MoE-Lite and HunYuan V4 took the
+    sample's batch and length only). ``zeros`` takes a symbolic size; the values are overwritten."""
+    rewritten = 0
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or node.target not in _EMPTY_TO_ZEROS:
+            continue
+        args = arguments(node)
+        if not any(isinstance(size, torch.fx.Node) for size in args["size"]):
+            continue
+        memory_format = args.get("memory_format")
+        if memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+            continue
+        node.target = _EMPTY_TO_ZEROS[node.target]
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "memory_format"}
+        if node.target is aten.zeros.default and len(node.args) > 5:
+            node.args = node.args[:5]
+        rewritten += 1
     return rewritten

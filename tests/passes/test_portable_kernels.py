@@ -53,3 +53,28 @@ def test_histc_counts_values_at_the_edges():
     program = torch.export.export(Histogram(), (x,))
     get_pass("histc_to_comparisons")(program)
     torch.testing.assert_close(program.module()(x), torch.histc(x, bins=5, min=-1.0, max=1.0))
+
+
+def test_an_empty_of_symbolic_size_keeps_its_axes_dynamic_on_executorch():
+    # multi-head latent attention builds its keys in new_empty, then copies two slices in: to_edge's
+    # _empty_dim_order read the symbolic size as ints and the program took the sample's batch and
+    # length only ("input 'input_ids' axis 0 has size 3, above the exported upper bound 2")
+    from hfexport import ExecutorchConfig, ExecutorchExporter, ExecutorchRunner
+
+    class LatentKeys(torch.nn.Module):
+        def forward(self, nope: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+            keys = nope.new_empty(*nope.shape[:-1], nope.shape[-1] + rope.shape[-1])
+            keys[..., : nope.shape[-1]].copy_(nope)
+            keys[..., nope.shape[-1] :].copy_(rope)
+            return keys * 2
+
+    model = LatentKeys().eval()
+    sample = {"nope": torch.randn(2, 5, 8), "rope": torch.randn(2, 5, 4)}
+    result = ExecutorchExporter().export(model, sample, ExecutorchConfig(dynamic=True))
+    other = {"nope": torch.randn(3, 9, 8), "rope": torch.randn(3, 9, 4)}
+    got = ExecutorchRunner(result).run(other)[0]
+    torch.testing.assert_close(got, model(**other), atol=0, rtol=0)
+    axes = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+    program = torch.export.export(model, (), sample, dynamic_shapes={"nope": axes, "rope": axes})
+    assert get_pass("empty_of_symbolic_size_to_zeros")(program).counts == {"rewritten": 1}
+    assert count(program, aten.new_empty.default) == 0 and count(program, aten.new_zeros.default) == 1
