@@ -124,7 +124,7 @@ def _patched_state():
     state = {}
     for patch in PATCHES.values():
         for owner, attribute in patch.owners():
-            state[patch.name, getattr(owner, "__name__", repr(owner))] = getattr(owner, attribute)
+            state[patch.name, getattr(owner, "__name__", repr(owner)), attribute] = getattr(owner, attribute)
     return state
 
 
@@ -132,8 +132,11 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
     import executorch.exir.program._program as executorch_program
     import pytest
     import transformers.models.mamba.modeling_mamba  # a target of selective_scan_as_scan_op
+    import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl  # a target of vision_window_index_per_token
     import transformers.models.qwen2_vl.modeling_qwen2_vl
-    import transformers.models.rwkv.modeling_rwkv  # noqa: F401  (a target of rwkv_recurrence_as_scan_op)
+    import transformers.models.qwen3_vl.modeling_qwen3_vl  # a target of vision_interpolation_per_token
+    import transformers.models.rwkv.modeling_rwkv  # a target of rwkv_recurrence_as_scan_op
+    import transformers.models.switch_transformers.modeling_switch_transformers  # noqa: F401  (switch_experts_dense)
 
     import hfexport.targets.executorch.lowering
     import hfexport.targets.onnx.lowering  # noqa: F401  (registers the to_onnx patch)
@@ -151,7 +154,7 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
     scopes = {patch.scope for patch in PATCHES.values()}
     assert scopes == {"capture", "generate", "to_onnx", "to_edge"}
     before = _patched_state()
-    assert {name for name, _ in before} == set(PATCHES)  # every patch has at least one target here
+    assert {name for name, _, _ in before} == set(PATCHES)  # every patch has at least one target here
     seen: dict = {}
 
     def failing_export(*args, **kwargs):
@@ -197,10 +200,12 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
             ExecutorchExporter().export(model, sample_inputs(model))
     assert _patched_state() == before
     assert set(seen) == {"capture", "generate", "to_onnx", "to_edge"}
-    # inside each scope, exactly that scope's patches were on
+    # inside each scope, exactly that scope's patches were on (an attribute two scopes patch, such as
+    # get_vision_position_ids, changes in both)
     for scope, state in seen.items():
         for key, value in state.items():
-            assert (value is not before[key]) == (PATCHES[key[0]].scope == scope), (scope, key)
+            scopes = {PATCHES[name].scope for name, owner, attribute in state if (owner, attribute) == key[1:]}
+            assert (value is not before[key]) == (scope in scopes), (scope, key)
 
 
 def test_readme_layout_matches_the_tree():

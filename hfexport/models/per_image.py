@@ -187,15 +187,12 @@ def _vision_window_index_per_token(original: Callable) -> Callable:
     return get_vision_window_index
 
 
-class LazySizes(list):
-    """``.tolist()`` of a 1-D integer tensor of symbolic length, made only when read (then as the
-    original ``tolist`` makes it, fixing the length)."""
-
+class _UnmadeSizes(list):
     def __init__(self, sizes: torch.Tensor, tolist: Callable[[torch.Tensor], list]) -> None:
         super().__init__()
         self.sizes, self._tolist, self.made = sizes, tolist, False
 
-    def make(self) -> LazySizes:
+    def make(self) -> _UnmadeSizes:
         if not self.made:
             self.made = True
             super().extend(self._tolist(self.sizes))
@@ -205,25 +202,34 @@ class LazySizes(list):
 def _reading(name: str) -> Callable:
     method = getattr(list, name)
 
-    def read(self: LazySizes, *args: Any, **kwargs: Any) -> Any:
+    def read(self: _UnmadeSizes, *args: Any, **kwargs: Any) -> Any:
         return method(self.make(), *args, **kwargs)
 
     return read
 
 
-for _name in (
+_LIST_READS = (
     "__iter__ __len__ __getitem__ __contains__ __repr__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __add__ __mul__ "
     "__rmul__ __reversed__ __setitem__ __delitem__ __iadd__ __imul__ append extend insert pop remove index count "
     "copy sort reverse clear"
-).split():
-    setattr(LazySizes, _name, _reading(_name))
+).split()
+LazySizes = type(
+    "LazySizes",
+    (_UnmadeSizes,),
+    {
+        "__doc__": """``.tolist()`` of a 1-D integer tensor of symbolic length, made only when read (then as
+        the original ``tolist`` makes it, fixing the length): every list method makes it first.""",
+        "__module__": __name__,
+        **{name: _reading(name) for name in _LIST_READS},
+    },
+)
 
 
 class DeferredSplit:
     """``tensor.split(sizes, dim)`` by :class:`LazySizes`, not made yet: ``torch.cat`` of it along
     ``dim`` is ``tensor``; reading it makes the pieces."""
 
-    def __init__(self, tensor: torch.Tensor, sizes: LazySizes, dim: int, split: Callable) -> None:
+    def __init__(self, tensor: torch.Tensor, sizes: _UnmadeSizes, dim: int, split: Callable) -> None:
         self.tensor, self.sizes, self.dim, self._split = tensor, sizes, dim, split
         self._pieces: tuple[torch.Tensor, ...] | None = None
 
