@@ -386,6 +386,8 @@ def decompose_for_generation(
     prompt_length = prefill["input_ids"].shape[1] if "input_ids" in prefill else 0
     decode = _with_attention_mask(_clean(model, decode), past=prompt_length)
     decode = _single_layer_type_mask(_mask_as_generate_passes(model, decode))
+    if sub_calls.get("encoder"):
+        prefill, decode = (_without_encoder_inputs(kwargs, sub_calls["encoder"][0]) for kwargs in (prefill, decode))
     components: Components = {}
     for name, module in submodules.items():
         if not sub_calls[name]:
@@ -405,6 +407,16 @@ def decompose_for_generation(
         components["prefill"] = (model, prefill)
     components["decode"] = (model, decode)
     return components
+
+
+def _without_encoder_inputs(kwargs: dict[str, Any], encoder_call: dict[str, Any]) -> dict[str, Any]:
+    """An encoder-decoder step given ``encoder_outputs`` without the inputs only the encoder reads,
+    which generate hands every step too (UDOP's word boxes ``bbox``): the padding mask stays, since
+    the cross-attention reads it."""
+    if "encoder_outputs" not in kwargs:
+        return kwargs
+    only_encoder = set(encoder_call) - {"attention_mask"}
+    return {name: value for name, value in kwargs.items() if name not in only_encoder}
 
 
 def _whole_sequence_step(

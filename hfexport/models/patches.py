@@ -118,6 +118,66 @@ def _eager_experts_as_batched_mm(original: Callable) -> Callable:
     return get_interface
 
 
+@register_patch(
+    "transformers.models.udop.modeling_udop:combine_image_text_embeddings",
+    name="udop_patches_by_scatter",
+    reason=(
+        "UDOP keeps the image patches no word's box points at by walking the tensors in Python (zip(*ind), "
+        "one boolean index per row, padded one row at a time), which no trace can follow (The tensor has a "
+        "non-zero number of elements, but its data is not allocated yet). Each kept patch is scattered to its "
+        "place among the kept ones instead (cumsum of the mask): the same rows and padding"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/122898",
+)
+def _udop_patches_by_scatter(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def combine_image_text_embeddings(
+        image_embeddings: torch.Tensor,
+        inputs_embeds: torch.Tensor,
+        bbox: torch.Tensor,
+        visual_bbox: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        num_patches: int = 14,
+        max_len: int = 0,
+        image_size: int = 224,
+        patch_size: int = 16,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        module = sys.modules[original.__module__]
+        batch, patches, width = image_embeddings.shape
+        centre_x = torch.floor((bbox[:, :, 0] + bbox[:, :, 2]) / 2.0 * num_patches).long()
+        centre_y = torch.floor((bbox[:, :, 1] + bbox[:, :, 3]) / 2.0 * num_patches).long()
+        ocr_points = centre_x.clip(0, num_patches - 1) + centre_y.clip(0, num_patches - 1) * num_patches
+        bbox = bbox.to(torch.float32 if bbox.device.type == "mps" else torch.float64)
+        target_seg = (bbox.mean(-1) == 0.0) | (bbox.mean(-1) == 1.0)
+        words_vision = torch.gather(image_embeddings, 1, ocr_points.unsqueeze(-1).expand(-1, -1, width))
+        inputs_embeds += words_vision.masked_fill(target_seg[..., None], 0.0)
+        kept = torch.ones(batch, patches, dtype=torch.bool, device=image_embeddings.device)
+        kept = kept.scatter(1, ocr_points, False)
+        # a kept patch goes to its rank among the kept ones; a dropped one to a spare last slot
+        place = torch.where(kept, kept.long().cumsum(1) - 1, patches)
+        length = patches if max_len == 0 else max_len - inputs_embeds.size(1)
+
+        def packed(rows: torch.Tensor) -> torch.Tensor:
+            spare = rows.new_zeros(batch, patches + 1, rows.shape[-1])
+            out = spare.scatter(1, place[..., None].expand(-1, -1, rows.shape[-1]), rows)[:, :patches]
+            if length > patches:
+                return torch.cat([out, out.new_zeros(batch, length - patches, out.shape[-1])], 1)
+            return out[:, :length]
+
+        if visual_bbox is None:
+            visual_bbox = module.get_visual_bbox(image_size=image_size, patch_size=patch_size)
+            visual_bbox = visual_bbox.unsqueeze(0).repeat(batch, 1, 1).to(image_embeddings.device)
+        inputs_embeds = torch.cat([inputs_embeds, packed(image_embeddings)], 1)
+        bbox = torch.cat([bbox, packed(visual_bbox)], 1)
+        if attention_mask is not None:
+            count = kept.sum(1, keepdim=True)
+            visual_mask = torch.arange(length, device=attention_mask.device)[None, :] < count
+            attention_mask = torch.cat([attention_mask, visual_mask.to(attention_mask.dtype)], 1)
+        return inputs_embeds, bbox, attention_mask
+
+    return combine_image_text_embeddings
+
+
 def segment_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     """``[length, length]`` boolean mask letting position ``i`` attend to ``j`` only when both
     lie in the same segment of the packed sequence ``cu_seqlens`` (``[0, end_0, end_1, …]``)."""

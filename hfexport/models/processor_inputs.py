@@ -23,6 +23,8 @@ SAMPLE_TEXTS = (
     "Hello, world!",
     "Exporting models should be easy.",
 )
+# the inputs holding an image or a sound rather than text
+MEDIA_INPUTS = frozenset({"pixel_values", "pixel_mask", "flattened_patches", "input_features", "input_values"})
 SAMPLE_PAIRS = ("Is the fox quick?", "Who says hello?", "Is it easy?")
 
 
@@ -49,13 +51,17 @@ def sample_inputs_for(
     from hfexport.models.samples import config_sample_inputs, with_rope_positions
 
     from_config = config_sample_inputs(model, batch=batch, seq=seq, seed=seed)
-    text_only = not ({"pixel_values", "flattened_patches", "input_features", "input_values"} & set(from_config))
+    text_only = not (MEDIA_INPUTS & set(from_config))
     if generation and text_only:
         prompt = ("input_ids", "attention_mask")
         return {name: value for name, value in from_config.items() if name in prompt or name.startswith("decoder_")}
     made = processor_sample_inputs(model, folder, task, batch, seq, seed) if folder is not None else None
     if made is not None:
-        made = {**made, **{name: value for name, value in from_config.items() if name.startswith("decoder_")}}
+        # what no processor in the folder makes comes from the config: an encoder-decoder's decoder
+        # inputs, and an image or audio the folder has no processor for (UDOP's page image beside
+        # its tokenizer's words and boxes)
+        unmade = {name for name in from_config if name.startswith("decoder_") or name in MEDIA_INPUTS} - set(made)
+        made = {**made, **{name: from_config[name] for name in unmade}}
     inputs = from_config if made is None else made
     return inputs if generation else with_rope_positions(model, inputs)
 
@@ -106,8 +112,20 @@ def _text(tokenizer: Any, task: str, batch: int, seq: int) -> dict[str, torch.Te
     pairs = [SAMPLE_PAIRS[i % len(SAMPLE_PAIRS)] for i in range(batch)] if task in TEXT_PAIR_TASKS else None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    encoded = tokenizer(texts, pairs, padding="max_length", truncation=True, max_length=seq, return_tensors="pt")
-    return _tensors(encoded)
+    padded = {"padding": "max_length", "truncation": True, "max_length": seq, "return_tensors": "pt"}
+    if "boxes" in inspect.signature(tokenizer.__call__).parameters:
+        # a document tokenizer (LayoutLMv2 / v3, LayoutXLM, UDOP) takes words with their boxes and
+        # makes the model's ``bbox`` from them; a pair is a question and the document's words
+        words = [text.split() for text in (pairs or texts)]
+        boxes = [[_word_box(i) for i in range(len(row))] for row in words]
+        return _tensors(tokenizer(texts if pairs else words, words if pairs else None, boxes=boxes, **padded))
+    return _tensors(tokenizer(texts, pairs, **padded))
+
+
+def _word_box(index: int) -> list[int]:
+    """The ``index``-th word's box on one line of a page, on the 0-1000 scale layout models take."""
+    left = min(900, 40 + 90 * index)
+    return [left, 100, left + 80, 130]
 
 
 def _tensors(encoded: Any) -> dict[str, Any]:

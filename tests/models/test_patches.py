@@ -109,3 +109,25 @@ def test_experts_on_the_eager_implementation_export_as_batched_mm():
         with patches_applied(["eager_experts_as_batched_mm"]):
             program = torch.export.export(experts, sample, dynamic_shapes=dims, strict=False)
         torch.testing.assert_close(program.module()(*other), experts(*other), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("batch", "words", "max_len"), [(2, 8, 0), (3, 5, 0), (2, 8, 30), (2, 8, 12)])
+def test_udop_keeps_the_unpointed_patches_without_python_loops(batch, words, max_len):
+    # UDOP's combine_image_text_embeddings walked the tensors in Python (zip(*ind), a boolean index
+    # per row): capture failed ("data is not allocated yet"); scattered by rank it gives eager's rows
+    from transformers.models.udop import modeling_udop
+
+    generator = torch.Generator().manual_seed(batch * words + max_len)
+    images = torch.randn(batch, 16, 6, generator=generator)
+    texts = torch.randn(batch, words, 6, generator=generator)
+    boxes = torch.rand(batch, words, 4, generator=generator)
+    boxes[0, 0], boxes[1, 1] = 0.0, 1.0  # a box the model takes for a whole-page segment
+    boxes[0, 2] = boxes[0, 3]  # two words on one patch
+    mask = torch.ones(batch, words, dtype=torch.long)
+    call = (images, None, mask, 4, max_len, 64, 16)
+    eager = modeling_udop.combine_image_text_embeddings(images, texts.clone(), boxes, *call[1:])
+    with patches_applied(["udop_patches_by_scatter"]):
+        patched = modeling_udop.combine_image_text_embeddings(images, texts.clone(), boxes, *call[1:])
+    for got, expected in zip(patched, eager, strict=True):
+        assert got.dtype == expected.dtype
+        assert torch.equal(got, expected)
