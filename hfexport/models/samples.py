@@ -42,13 +42,21 @@ def config_sample_inputs(
             inputs.update(extra)
     if params & {"input_features", "input_values"}:
         inputs.update(_audio_inputs(model, config, params, batch, seq, generator))
-    if "flattened_patches" in params and "input_ids" not in params:
-        inputs.update(_flattened_patches(config, batch, generator))
+    if "flattened_patches" in params:
+        patches = _flattened_patches(config, batch, generator)
+        # the patches' own mask is the attention mask of a model without text (Pix2Struct)
+        inputs.update(patches if "input_ids" not in params else {"flattened_patches": patches["flattened_patches"]})
     if "input_ids" in params:
         ids = _token_ids(config, batch, seq, generator)
         if image_token is not None and "pixel_values" in inputs:
             placeholders = torch.full((batch, image_tokens), image_token, dtype=ids.dtype)
             ids = torch.cat([_framed(config, placeholders), ids], dim=1)
+        elif "image_embeds_position_mask" in params and "flattened_patches" in inputs:
+            # Kosmos-2.5: the image fills the positions its mask marks (its processor puts <s> there)
+            count = _image_tokens(config, 0, None)
+            placeholders = torch.full((batch, count), getattr(config, "bos_token_id", None) or 0, dtype=ids.dtype)
+            ids = torch.cat([placeholders, ids], dim=1)
+            inputs["image_embeds_position_mask"] = (torch.arange(ids.shape[1]) < count).long().repeat(batch, 1)
         inputs["input_ids"] = ids
         if "mm_token_type_ids" in params and image_token is not None:
             inputs["mm_token_type_ids"] = (ids == image_token).long()
@@ -280,7 +288,14 @@ def _flattened_patches(config: Any, batch: int, generator: torch.Generator) -> d
 
 def _image_tokens(config: Any, size: int, patch: int | None) -> int:
     """Placeholder tokens one image fills in ``input_ids``, from the config's own count or its patches."""
-    for name in ("mm_tokens_per_image", "image_seq_length", "num_image_tokens", "image_seq_len", "num_query_tokens"):
+    for name in (
+        "mm_tokens_per_image",
+        "image_seq_length",
+        "num_image_tokens",
+        "image_seq_len",
+        "num_query_tokens",
+        "latent_query_num",
+    ):
         value = getattr(config, name, None)
         if type(value) is int and value > 0:
             return value

@@ -62,6 +62,7 @@ _EXACT: dict[str, int] = {
     **dict.fromkeys("num_mel_bins feature_size input_feat_per_channel n_mels num_mel_filters".split(), MEL_BINS),
     **dict.fromkeys("codebook_size num_codevectors_per_group codebook_dim".split(), CODEBOOK),
     "num_conv_pos_embeddings": 16,
+    "latent_query_num": 8,  # Kosmos-2.5's image tokens in the text
     "num_groups": 4,  # group norms over the shrunk channels
     "num_conv_pos_embedding_groups": HEADS,
     "max_source_positions": SOURCE_POSITIONS,
@@ -618,7 +619,7 @@ def model_kind(model: torch.nn.Module, task: str | None = None) -> str:
     config = model.config
     params = set(inspect.signature(model.forward).parameters)
     text = "input_ids" in params
-    vision = "pixel_values" in params or "pixel_values_videos" in params
+    vision = bool(params & {"pixel_values", "pixel_values_videos", "flattened_patches"})
     audio = bool(params & {"input_features", "input_values", "audio_values", "input_audio_embeds"})
     flat = _flat_config(config)
     recurrent = any(k in flat for k in ("state_size", "ssm_state_size", "mamba_d_state", "d_state", "rwkv"))

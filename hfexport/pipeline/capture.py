@@ -42,8 +42,11 @@ def as_input_dict(inputs: Any) -> dict[str, Any]:
 
 def copy_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     """A deep copy of the inputs, so running or tracing never changes the caller's tensors or
-    cache objects."""
-    return copy.deepcopy(inputs)
+    cache objects. A tensor given as a view with other strides (``mask.expand(batch, -1)``, whose
+    rows share memory) is copied into its own dense memory: a traced program keeps its inputs'
+    strides, and ExecuTorch cannot plan a stride of 0."""
+    copied = copy.deepcopy(inputs)
+    return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in copied.items()}
 
 
 class Frontend:

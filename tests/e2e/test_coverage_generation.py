@@ -129,3 +129,15 @@ def test_a_document_model_with_word_boxes_exports_and_generates():
     assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
     assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
     assert len(set(rows["generate:dynamo"]["expected"])) >= 3, rows["generate:dynamo"]
+
+
+def test_a_model_reading_its_image_as_flattened_patches_beside_text_generates():
+    """Kosmos-2.5 takes text and its image as flattened patches, placed where
+    ``image_embeds_position_mask`` marks: the sweep gave it text only, so generate never ran its
+    image encoder and the generation export failed ("generate never called ... image_encoder")."""
+    rows = run_case("kosmos-2.5", ("dynamo",), ("generate:dynamo",))
+    assert {"flattened_patches", "image_embeds_position_mask"} <= set(rows["eager"]["inputs"]), rows["eager"]
+    assert rows["eager"]["kind"] == "multimodal"
+    assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
+    assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
+    assert len(set(rows["generate:dynamo"]["expected"])) >= 3, rows["generate:dynamo"]

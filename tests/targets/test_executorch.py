@@ -169,6 +169,20 @@ def test_runner_feeds_inputs_by_name_whatever_the_dict_order(tmp_path):
         runner.run({**inputs, "token_type_ids": torch.zeros_like(inputs["input_ids"])})
 
 
+def test_a_sample_given_as_an_expanded_view_exports_and_runs(tmp_path):
+    # mask.expand(batch, -1) shares one row's memory (stride 0): the traced program kept the stride
+    # and to_executorch failed ("0 in strides is not supported for ExecuTorch")
+    model = build("tiny-bert")
+    one = sample_inputs(model, 1, 8)
+    sample = {name: value.expand(2, -1) for name, value in one.items()}
+    assert sample["input_ids"].stride(0) == 0
+    save_export(tmp_path, {"model": ExecutorchExporter().run(model, sample, ExecutorchConfig(dynamic=True))})
+    inputs = sample_inputs(model, 3, 12, seed=4)
+    got = ExportFolder(tmp_path).runner().run(inputs)[0]
+    torch.testing.assert_close(got, main_output(eager(model, inputs)), atol=1e-4, rtol=0)
+    assert sample["input_ids"].stride(0) == 0  # the caller's view is left as it was
+
+
 def test_planned_memory_over_the_budget_names_the_bounds_to_lower():
     from hfexport import ConfigError
 
