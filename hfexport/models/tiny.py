@@ -13,6 +13,7 @@ first), and :func:`build_tiny` builds it in eval mode. Used by the coverage swee
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from typing import Any
 
@@ -587,17 +588,31 @@ def model_class(model_type: str) -> tuple[str, type]:
 def build_tiny(model_type: str, seed: int = 0) -> torch.nn.Module:
     """A tiny random model of ``model_type`` in eval mode: the class of :func:`model_class`, the
     config of :func:`tiny_config`, SDPA attention where the class supports it (else its default)."""
-    _, cls = model_class(model_type)
+    task, cls = model_class(model_type)
+    config = tiny_config(model_type)
+    if task == "causal-lm" and _causal_only_as_decoder(cls) and not getattr(config, "is_decoder", False):
+        config.is_decoder = True  # as a causal-LM checkpoint of such a class sets it
     torch.manual_seed(seed)
     try:
-        model = cls._from_config(tiny_config(model_type), attn_implementation="sdpa")
+        model = cls._from_config(copy.deepcopy(config), attn_implementation="sdpa")
     except (ValueError, ImportError) as error:
         if "attention implementation" not in str(error) and "sdpa" not in str(error).lower():
             raise
         torch.manual_seed(seed)
-        model = cls._from_config(tiny_config(model_type))
+        model = cls._from_config(config)
     _randomize_zero_matrices(model, seed)
     return model.eval()
+
+
+def _causal_only_as_decoder(cls: type) -> bool:
+    """Whether ``cls`` is a BERT-style causal-LM head, which attends both ways unless its config
+    sets ``is_decoder`` (transformers warns at its construction: "If you want to use ... as a
+    standalone, add `is_decoder=True`")."""
+    try:
+        source = inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return False
+    return "as a standalone" in source and "is_decoder=True" in source
 
 
 def _randomize_zero_matrices(model: torch.nn.Module, seed: int) -> None:

@@ -147,3 +147,28 @@ def test_a_video_model_gets_frames():
     assert inputs["pixel_values"].dim() == 5
     with torch.no_grad():
         model(**inputs)
+
+
+def test_a_bert_style_causal_lm_is_built_as_a_decoder():
+    # BertGenerationDecoder attends both ways unless config.is_decoder (its causal-LM checkpoints set
+    # it): built without, it returned no cache and its generation export was refused
+    decoder = build_tiny("bert-generation")
+    assert decoder.config.is_decoder
+    ids = torch.randint(5, 50, (1, 6))
+    changed = ids.clone()
+    changed[0, -1] = 51
+    with torch.no_grad():  # causal: a later token does not change earlier logits
+        torch.testing.assert_close(decoder(changed).logits[0, :-1], decoder(ids).logits[0, :-1])
+    assert not build_tiny("gpt_neox").config.is_decoder  # declares the flag, but attends causally anyway
+
+
+def test_kosmos_2_5_gets_its_image_as_flattened_patches_where_its_mask_marks():
+    model = build_tiny("kosmos-2.5")
+    inputs = config_sample_inputs(model)
+    marked = inputs["image_embeds_position_mask"]
+    assert int(marked[0].sum()) == model.config.latent_query_num == 8
+    assert inputs["flattened_patches"].shape[:2] == (2, 16)
+    other = {**inputs, "flattened_patches": inputs["flattened_patches"].clone()}
+    other["flattened_patches"][:, :, 2:] += 1.0
+    with torch.no_grad():  # the image reaches the logits
+        assert not torch.allclose(model(**inputs).logits, model(**other).logits)
