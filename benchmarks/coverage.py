@@ -240,7 +240,7 @@ def _varied_reference(model, prompt: dict) -> list[int]:
 
     def generate() -> list[int]:
         with torch.no_grad():
-            return model.generate(**prompt, do_sample=False, max_new_tokens=NEW_TOKENS)[0].tolist()
+            return model.generate(**prompt, do_sample=False, num_beams=1, max_new_tokens=NEW_TOKENS)[0].tolist()
 
     reference = generate()
     if len(set(reference[-NEW_TOKENS:])) >= 3:

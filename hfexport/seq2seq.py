@@ -19,6 +19,7 @@ are applied; a setting this loop does not implement is refused in one line.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import wave
 from collections.abc import Callable, Sequence
@@ -43,6 +44,8 @@ _UNSUPPORTED = {
     "constraints": None,
     "return_timestamps": None,
 }
+
+logger = logging.getLogger(__name__)
 
 ENCODER_DECODER_COMPONENTS = ("encoder", "prefill", "decode")
 SELF_ATTENTION = "cache.self_attention_cache."
@@ -157,6 +160,14 @@ class EncoderDecoderGenerator:
                     "not feed; run the folder's programs yourself"
                 )
         settings = self.generation_config
+        beams = getattr(settings, "num_beams", 1) or 1
+        if beams > 1:  # translation checkpoints ask for beams (FSMT 5, Marian 4): decoded greedily, said once
+            logger.warning(
+                "the generation config in %s asks for beam search (num_beams=%d); hfexport's loop decodes greedily, "
+                "as model.generate(num_beams=1) does",
+                self.folder,
+                beams,
+            )
         for name, default in _UNSUPPORTED.items():
             value = getattr(settings, name, default)
             if value not in (default, None, False):

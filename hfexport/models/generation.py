@@ -325,6 +325,7 @@ def decompose_for_generation(
     _check_static_layer_types(model)
     config.max_new_tokens = config.min_new_tokens = new_tokens
     config.do_sample = False
+    config.num_beams = 1  # the decode loops take one row per prompt: beams would multiply the recorded batch
     if config.pad_token_id is None:
         config.pad_token_id = getattr(model.generation_config, "pad_token_id", None) or 0
 

@@ -178,6 +178,28 @@ def _udop_patches_by_scatter(original: Callable) -> Callable:
     return combine_image_text_embeddings
 
 
+@register_patch(
+    "transformers.models.fsmt.modeling_fsmt:SinusoidalPositionalEmbedding.forward",
+    name="fsmt_positions_from_a_cache_counter",
+    reason=(
+        "FSMT's decoder offsets its positions by cache.get_seq_length(), a static cache's token counter "
+        "(a tensor), and grows its sinusoid table in a Python if on it: no trace can follow (Could not guard on "
+        "data-dependent expression Eq(u0, 1)). With a counter the positions index the table as it is (it holds "
+        "max_position_embeddings positions, more than a static cache within the model's limits reaches)"
+    ),
+    upstream="https://github.com/huggingface/transformers/issues/45987",
+)
+def _fsmt_positions_from_a_cache_counter(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(self: torch.nn.Embedding, input: torch.Tensor, *, cache_length: Any = 0) -> torch.Tensor:
+        if not isinstance(cache_length, torch.Tensor):
+            return original(self, input, cache_length=cache_length)
+        positions = self.make_positions(input, self.padding_idx) + cache_length
+        return torch.nn.functional.embedding(positions, self.weight, self.padding_idx)
+
+    return forward
+
+
 def segment_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     """``[length, length]`` boolean mask letting position ``i`` attend to ``j`` only when both
     lie in the same segment of the packed sequence ``cu_seqlens`` (``[0, end_0, end_1, …]``)."""

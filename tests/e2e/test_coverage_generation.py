@@ -141,3 +141,13 @@ def test_a_model_reading_its_image_as_flattened_patches_beside_text_generates():
     assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
     assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
     assert len(set(rows["generate:dynamo"]["expected"])) >= 3, rows["generate:dynamo"]
+
+
+def test_a_decoder_offsetting_positions_by_the_cache_counter_generates_greedily():
+    """FSMT offsets its sinusoidal positions by cache.get_seq_length(), a static cache's counter
+    tensor, and grows its table in a Python if on it: the decode capture failed (Could not guard on
+    Eq(u0, 1)). Its generation config asks for five beams, which the export recorded as five rows
+    and the loop did not apply: the reference and the loops are greedy (num_beams=1)."""
+    rows = run_case("fsmt", (), ("generate:dynamo",))
+    assert rows["generate:dynamo"]["status"] == "pass", rows["generate:dynamo"]
+    assert len(set(rows["generate:dynamo"]["expected"])) >= 3, rows["generate:dynamo"]
