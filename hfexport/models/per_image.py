@@ -62,6 +62,16 @@ def position_ids_per_token(
     return torch.stack([hpos, wpos], dim=-1)
 
 
+def _precomputed(kwargs: dict | None, *names: str) -> tuple | None:
+    """The values ``names`` a caller computed already and handed in ``kwargs`` (as transformers'
+    vision helpers take them; hfexport's generation encoders take them as inputs), popped from it;
+    ``None`` unless every one is there."""
+    if kwargs is None:
+        return None
+    values = tuple(kwargs.pop(name, None) for name in names)
+    return None if any(value is None for value in values) else values
+
+
 @register_patch(
     "transformers.models.*.modeling_*:get_vision_position_ids",
     name="vision_position_ids_per_token",
@@ -76,8 +86,8 @@ def _vision_position_ids_per_token(original: Callable) -> Callable:
         include_temporal: bool = False,
         kwargs: dict | None = None,
     ) -> torch.Tensor:
-        if kwargs is not None and (position_ids := kwargs.pop("position_ids", None)) is not None:
-            return position_ids
+        if (given := _precomputed(kwargs, "position_ids")) is not None:
+            return given[0]
         return position_ids_per_token(grid_thw, spatial_merge_size, include_temporal)
 
     return get_vision_position_ids
@@ -130,10 +140,8 @@ def _vision_interpolation_per_token(original: Callable) -> Callable:
         padding: str = "border",
         kwargs: dict | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if kwargs is not None:
-            indices, weights = kwargs.pop("interp_indices", None), kwargs.pop("interp_weights", None)
-            if indices is not None and weights is not None:
-                return indices, weights
+        if (given := _precomputed(kwargs, "interp_indices", "interp_weights")) is not None:
+            return given
         return interpolation_indices_and_weights(
             grid_thw, num_grid_per_side, mode, align_corners, spatial_merge_size, padding
         )
@@ -178,10 +186,8 @@ def _vision_window_index_per_token(original: Callable) -> Callable:
     def get_vision_window_index(
         grid_thw: torch.Tensor, spatial_merge_size: int, window_size: int, patch_size: int, kwargs: dict | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if kwargs is not None:
-            window_index, cu_window_seqlens = kwargs.pop("window_index", None), kwargs.pop("cu_window_seqlens", None)
-            if window_index is not None and cu_window_seqlens is not None:
-                return window_index, cu_window_seqlens
+        if (given := _precomputed(kwargs, "window_index", "cu_window_seqlens")) is not None:
+            return given
         return window_index_per_token(grid_thw, spatial_merge_size, window_size, patch_size)
 
     return get_vision_window_index
