@@ -367,11 +367,13 @@ def _split_by_sizes_made_when_read(original: Callable) -> Callable:
 )
 def _cat_of_a_deferred_split(original: Callable) -> Callable:
     @functools.wraps(original)
-    def cat(tensors: Any, dim: int = 0, **kwargs: Any) -> torch.Tensor:
+    def cat(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # every other call goes through as it came (torch.cat also takes its axis as ``axis=``: Funnel)
         if isinstance(tensors, DeferredSplit) and tensors._pieces is None:
+            dim = args[0] if args else kwargs.get("dim", kwargs.get("axis", 0))
             rank = tensors.tensor.dim()
-            if dim % rank == tensors.dim % rank:
-                return original([tensors.tensor], dim, **kwargs)
-        return original(tensors, dim, **kwargs)
+            if isinstance(dim, int) and dim % rank == tensors.dim % rank:
+                return original([tensors.tensor], *args, **kwargs)
+        return original(tensors, *args, **kwargs)
 
     return cat

@@ -100,3 +100,16 @@ def test_pieces_that_are_read_are_made_as_before():
     with patches_applied(SPLIT_PATCHES):
         program = torch.export.export(model, sample, strict=False)
     torch.testing.assert_close(program.module()(*sample), model(*sample), atol=1e-6, rtol=1e-6)
+
+
+def test_every_other_cat_call_goes_through_as_it_came():
+    # Funnel writes torch.cat([...], axis=axis): the patched cat passed dim and axis both (TypeError)
+    first, second = torch.randn(2, 3), torch.randn(2, 5)
+    with patches_applied(SPLIT_PATCHES):
+        by_axis = torch.cat([first, second], axis=1)
+        by_keywords = torch.cat(tensors=[first, second], dim=-1)
+        into = torch.empty(2, 8)
+        torch.cat((first, second), 1, out=into)
+    expected = torch.cat([first, second], dim=1)
+    for got in (by_axis, by_keywords, into):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
