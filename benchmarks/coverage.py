@@ -13,7 +13,7 @@ A generative type is also saved as a checkpoint folder, exported with ``hfexport
 decoder: pass when its tokens are ``model.generate(do_sample=False)``'s (targets
 ``generate:<target>``; ``--no-generation`` skips them).
 
-One process per case (forked from a parent that imported the stack once), killed after
+One process per case (forked by a server process that imported the stack once), killed after
 ``--timeout`` seconds; results are JSONL lines ``{"type", "target", "status", ...}`` in
 ``benchmarks/results/coverage/coverage.jsonl``; a (type, target) pair already there is skipped, so
 the sweep resumes. ``--report`` (also done at the end of every run) writes ``docs/coverage.md``.
@@ -341,7 +341,12 @@ def generation_case(model, inputs, base, targets: list[str], out) -> None:
 def _case_entry(model_type, targets, transformers_targets, generation_targets, out) -> None:
     import warnings
 
+    import torch
+    import transformers
+
     warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
     try:
         run_case(model_type, targets, transformers_targets, generation_targets, out)
     except BaseException as error:  # the parent records a crash of the case itself
@@ -381,8 +386,21 @@ def pending_targets(model_type: str, done: dict, wanted: list[str], retry: bool 
     return left if left or eager is None else None
 
 
+# the modules every case imports, loaded once by the fork server
+PRELOADED = ["torch", "transformers", "hfexport", "hfexport.models.samples", "hfexport.models.tiny"]
+
+
+def _case_context() -> Any:
+    """Cases fork from a server process that imported the stack and runs no thread: forked straight
+    from the sweep, whose ``--jobs`` threads may hold a lock at that moment, a case could hang until
+    its timeout (CvT: 45 s alone, "timeout (600 s)" at --jobs 2)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    return context
+
+
 def run_one(model_type: str, targets: list[str], timeout: float) -> list[dict]:
-    context = multiprocessing.get_context("fork")
+    context = _case_context()
     out = context.Queue()
     plain = [t for t in targets if ":" not in t]
     theirs = [t.split(":", 1)[1] for t in targets if t.startswith("transformers:")]
@@ -678,15 +696,6 @@ def main() -> None:
         write_report()
         print(f"wrote {DOC.relative_to(ROOT)}")
         return
-    import torch  # imported once here, inherited by every forked case
-    import transformers
-
-    import hfexport
-    import hfexport.models.samples
-    import hfexport.models.tiny  # noqa: F401
-
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
     sweep(args)
     print(f"wrote {RESULTS.relative_to(ROOT)} and {DOC.relative_to(ROOT)}")
 
