@@ -58,9 +58,10 @@ def sample_inputs_for(
     made = processor_sample_inputs(model, folder, task, batch, seq, seed) if folder is not None else None
     if made is not None:
         # what no processor in the folder makes comes from the config: an encoder-decoder's decoder
-        # inputs, and an image or audio the folder has no processor for (UDOP's page image beside
-        # its tokenizer's words and boxes)
-        unmade = {name for name in from_config if name.startswith("decoder_") or name in MEDIA_INPUTS} - set(made)
+        # inputs, and the image or audio of a folder with no processor for it (UDOP's page image
+        # beside its tokenizer's words and boxes; a processor's image keeps its own mask)
+        media = set() if MEDIA_INPUTS & set(made) else MEDIA_INPUTS
+        unmade = {name for name in from_config if name.startswith("decoder_") or name in media} - set(made)
         made = {**made, **{name: from_config[name] for name in unmade}}
     inputs = from_config if made is None else made
     return inputs if generation else with_rope_positions(model, inputs)
