@@ -161,7 +161,7 @@ class EncoderDecoderGenerator:
                 )
         settings = self.generation_config
         beams = getattr(settings, "num_beams", 1) or 1
-        if beams > 1:  # translation checkpoints ask for beams (FSMT 5, Marian 4): decoded greedily, said once
+        if beams > 1:  # a translation checkpoint may ask for beams (FSMT: 5): decoded greedily, said once
             logger.warning(
                 "the generation config in %s asks for beam search (num_beams=%d); hfexport's loop decodes greedily, "
                 "as model.generate(num_beams=1) does",
