@@ -277,7 +277,7 @@ def test_repeated_ngrams_are_banned_as_transformers_bans_them():
 
 
 def test_a_beam_search_config_is_decoded_greedily_and_says_so(exported, tmp_path, caplog):
-    # FSMT's and Marian's checkpoints ask for beams: hfexport's greedy loop gave other tokens than
+    # FSMT's checkpoints ask for five beams: hfexport's greedy loop gave other tokens than
     # model.generate without a word (and the export recorded five rows per prompt)
     import json
     import shutil
