@@ -131,6 +131,7 @@ def test_a_document_model_with_word_boxes_exports_and_generates():
     assert len(set(rows["generate:dynamo"]["expected"])) >= 3, rows["generate:dynamo"]
 
 
+@pytest.mark.slow  # 50 s: make test-all (tests/models/test_tiny.py checks its sample in make test)
 def test_a_model_reading_its_image_as_flattened_patches_beside_text_generates():
     """Kosmos-2.5 takes text and its image as flattened patches, placed where
     ``image_embeds_position_mask`` marks: the sweep gave it text only, so generate never ran its

@@ -772,10 +772,13 @@ def test_a_model_whose_generate_fails_with_a_static_cache_is_one_line(tmp_path):
 def test_a_model_returning_no_cache_is_refused_by_name():
     # BertGenerationDecoder with is_decoder=False attends both ways and returns no cache, so
     # generate reruns the whole sequence; a cached decode step gave other tokens, silently
-    from hfexport import UnsupportedModelError
-    from hfexport.models.tiny import build_tiny
+    from transformers import BertGenerationDecoder
 
-    model = build_tiny("bert-generation")
+    from hfexport import UnsupportedModelError
+    from hfexport.models.tiny import tiny_config
+
+    # the sweep builds it as its causal-LM checkpoints are (is_decoder=True): built without here
+    model = BertGenerationDecoder._from_config(tiny_config("bert-generation"), attn_implementation="sdpa").eval()
     assert not model.config.is_decoder
     prompt = {"input_ids": torch.randint(0, 200, (1, 6), generator=torch.Generator().manual_seed(0))}
     with pytest.raises(UnsupportedModelError, match="returns no cache from its forward"):
@@ -783,8 +786,6 @@ def test_a_model_returning_no_cache_is_refused_by_name():
     # the decoder a real checkpoint is (is_decoder in its config when built: its layers are causal): exported
     # as before. Flipping the flag on the built model leaves its layers bidirectional, which the
     # prompt-causality check refuses
-    from hfexport.models.tiny import tiny_config
-
     config = tiny_config("bert-generation")
     config.is_decoder = True
     decoder = type(model)._from_config(config, attn_implementation="sdpa").eval()

@@ -169,6 +169,7 @@ def test_runner_feeds_inputs_by_name_whatever_the_dict_order(tmp_path):
         runner.run({**inputs, "token_type_ids": torch.zeros_like(inputs["input_ids"])})
 
 
+@pytest.mark.slow  # 30 s of lowering: make test-all (make test is near its 30 minutes)
 def test_a_sample_given_as_an_expanded_view_exports_and_runs(tmp_path):
     # mask.expand(batch, -1) shares one row's memory (stride 0): the traced program kept the stride
     # and to_executorch failed ("0 in strides is not supported for ExecuTorch")
