@@ -131,12 +131,16 @@ def _patched_state():
 def test_every_registered_patch_is_restored_after_a_failing_capture_and_decomposition(monkeypatch):
     import executorch.exir.program._program as executorch_program
     import pytest
+    import transformers.models.encodec.modeling_encodec  # targets of the codec convolutions' patches
     import transformers.models.mamba.modeling_mamba  # a target of selective_scan_as_scan_op
+    import transformers.models.mimi.modeling_mimi
+    import transformers.models.pocket_tts_audio_tokenizer.modeling_pocket_tts_audio_tokenizer
     import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl  # a target of vision_window_index_per_token
     import transformers.models.qwen2_vl.modeling_qwen2_vl
     import transformers.models.qwen3_vl.modeling_qwen3_vl  # a target of vision_interpolation_per_token
     import transformers.models.rwkv.modeling_rwkv  # a target of rwkv_recurrence_as_scan_op
-    import transformers.models.switch_transformers.modeling_switch_transformers  # noqa: F401  (switch_experts_dense)
+    import transformers.models.switch_transformers.modeling_switch_transformers  # switch_experts_dense
+    import transformers.models.wavtokenizer.modeling_wavtokenizer  # noqa: F401
 
     import hfexport.targets.executorch.lowering
     import hfexport.targets.onnx.lowering  # noqa: F401  (registers the to_onnx patch)

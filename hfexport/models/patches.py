@@ -67,6 +67,133 @@ def _module_to_without_change(original: Callable) -> Callable:
 
 
 @register_patch(
+    "torch.nn.functional:max_pool1d",
+    name="max_pool1d_as_max_pool2d",
+    reason=(
+        "aten.max_pool1d reads its input's length as a plain integer, so torch.export fixes a dynamic "
+        "length to the sample's (Eq(s27, 7): SEW and SEW-D pool their attention mask with it, CANINE "
+        "its characters); max_pool2d over a height of one computes the same maxima with a symbolic length"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/103892",  # the same for adaptive_max_pool1d
+)
+def _max_pool1d_as_max_pool2d(original: Callable) -> Callable:
+    def pair(value: Any, fill: int) -> tuple[int, int]:
+        value = value[0] if isinstance(value, list | tuple) else value
+        return (fill, value)
+
+    @functools.wraps(original)
+    def max_pool1d(
+        input: torch.Tensor,
+        kernel_size: Any,
+        stride: Any = None,
+        padding: Any = 0,
+        dilation: Any = 1,
+        ceil_mode: bool = False,
+        return_indices: bool = False,
+    ) -> Any:
+        if isinstance(input.shape[-1], int):  # a static length: nothing to fix
+            return original(input, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
+        stride = kernel_size if stride is None or stride == [] else stride
+        pooled = torch.nn.functional.max_pool2d(
+            input.unsqueeze(-2),
+            pair(kernel_size, 1),
+            pair(stride, 1),
+            pair(padding, 0),
+            pair(dilation, 1),
+            ceil_mode=ceil_mode,
+            return_indices=return_indices,
+        )
+        if return_indices:
+            return pooled[0].squeeze(-2), pooled[1].squeeze(-2)
+        return pooled.squeeze(-2)
+
+    return max_pool1d
+
+
+def _codec_conv_padding_in_integers(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(self: torch.nn.Module, hidden_states: torch.Tensor, padding_cache: Any = None) -> torch.Tensor:
+        if padding_cache is not None:  # streaming: the cache holds the left context
+            return original(self, hidden_states, padding_cache)
+        length = hidden_states.shape[-1]
+        conv = self.conv
+        stride = conv.stride[0]
+        kernel = (conv.kernel_size[0] - 1) * conv.dilation[0] + 1
+        total = kernel - stride
+        # _get_extra_padding_for_conv1d: ceil((length - kernel + total) / stride) frames, in integers
+        frames = -((kernel - total - length) // stride)
+        extra = frames * stride + kernel - total - length
+        right = total // 2
+        paddings = (total, extra) if self.causal else (total - right, right + extra)
+        hidden_states = self.conv(self._pad1d(hidden_states, paddings, mode=self.pad_mode))
+        if getattr(self, "norm_type", None) == "time_group_norm":
+            hidden_states = self.norm(hidden_states)
+        return hidden_states
+
+    return forward
+
+
+# EnCodec's padded convolution and its copies: the paddings are tensors (buffers), so every one is an
+# .item() during capture (a data-dependent size: GuardOnDataDependentSymNode Eq(u0, 1) in _pad1d)
+for _family, _conv in (
+    ("encodec", "EncodecConv1d"),
+    ("wavtokenizer", "WavTokenizerConv1d"),
+    ("pocket_tts_audio_tokenizer", "PocketTTSAudioTokenizerConv1d"),
+    ("mimi", "MimiConv1d"),
+):
+    register_patch(
+        f"transformers.models.{_family}.modeling_*:{_conv}.forward",
+        name=f"{_family}_conv_padding_in_integers",
+        reason=(
+            f"{_conv} keeps its kernel, stride and padding as integer tensors, so the paddings it computes "
+            "for a dynamic length are data-dependent sizes (GuardOnDataDependentSymNode in _pad1d); computed "
+            "from the convolution's own integers they are symbolic sizes, the same numbers"
+        ),
+        upstream="https://github.com/pytorch/pytorch/issues/155162",
+    )(_codec_conv_padding_in_integers)
+
+
+@register_patch(
+    "transformers.models.encodec.modeling_*:EncodecModel.encode",
+    name="encodec_one_chunk_without_a_loop",
+    reason=(
+        "with no chunk_length EnCodec encodes the whole waveform as one chunk, in a loop over "
+        "range(0, length, length) that fixes the length to the sample's; the one chunk is encoded directly"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/136216",  # Python control flow on an input's size
+)
+def _encodec_one_chunk_without_a_loop(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def encode(
+        self: torch.nn.Module,
+        input_values: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        bandwidth: float | None = None,
+        return_dict: bool | None = None,
+    ) -> Any:
+        bandwidth = self.config.target_bandwidths[0] if bandwidth is None else bandwidth
+        if (
+            self.config.chunk_length is not None
+            or isinstance(input_values.shape[-1], int)
+            or bandwidth not in self.config.target_bandwidths
+            or input_values.shape[1] not in (1, 2)
+        ):
+            return original(self, input_values, padding_mask, bandwidth, return_dict)
+        if padding_mask is None:
+            mask = torch.ones_like(input_values).bool()
+        else:
+            mask = padding_mask.view(padding_mask.shape[0], -1, padding_mask.shape[-1]).bool()
+        codes, scale = self._encode_frame(mask * input_values, bandwidth)
+        frames, scales = torch.stack([codes]), [scale]
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if not return_dict:
+            return frames, scales, 0
+        return sys.modules[type(self).__module__].EncodecEncoderOutput(frames, scales, 0)
+
+    return encode
+
+
+@register_patch(
     "transformers.models.switch_transformers.modeling_*:SwitchTransformersExperts.forward",
     name="switch_experts_dense",
     reason=(

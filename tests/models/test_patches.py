@@ -131,3 +131,44 @@ def test_udop_keeps_the_unpointed_patches_without_python_loops(batch, words, max
     for got, expected in zip(patched, eager, strict=True):
         assert got.dtype == expected.dtype
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"kernel_size": 2}, {"kernel_size": 3, "stride": 2, "padding": 1, "ceil_mode": True}, {"kernel_size": [2]}],
+)
+def test_max_pool1d_takes_any_length(options):
+    # aten.max_pool1d fixed the length to the sample's (Eq(s27, 7)): SEW pools its attention mask
+    # with it, so its program took one waveform length
+    class Pool(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            pooled, where = torch.nn.functional.max_pool1d(x, return_indices=True, **options)
+            return pooled, where
+
+    x = torch.randn(2, 3, 7)
+    with patches_applied(["max_pool1d_as_max_pool2d"]):
+        program = torch.export.export(
+            Pool(), (x,), dynamic_shapes=({0: torch.export.Dim.AUTO, 2: torch.export.Dim.AUTO},)
+        )
+    for longer in (x, torch.randn(3, 3, 12)):
+        for got, expected in zip(program.module()(longer), Pool()(longer), strict=True):
+            assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("causal, pad_mode", [(True, "reflect"), (False, "reflect"), (True, "constant")])
+def test_codec_convolutions_pad_any_length_with_the_same_numbers(causal, pad_mode):
+    # EnCodec's padded convolution (and WavTokenizer's, Pocket TTS's, Mimi's) computed its paddings
+    # from integer buffers: .item() during capture, GuardOnDataDependentSymNode in _pad1d
+    from transformers import EncodecConfig
+    from transformers.models.encodec.modeling_encodec import EncodecConv1d
+
+    config = EncodecConfig(use_causal_conv=causal, pad_mode=pad_mode)
+    conv = EncodecConv1d(config, 2, 3, kernel_size=7, stride=3, dilation=1).eval()
+    x = torch.randn(2, 2, 23)
+    with patches_applied(["encodec_conv_padding_in_integers"]):
+        program = torch.export.export(
+            conv, (x,), dynamic_shapes=({0: torch.export.Dim.AUTO, 2: torch.export.Dim.AUTO},)
+        )
+    for length in (23, 24, 40):
+        sample = torch.randn(3, 2, length)
+        assert torch.equal(program.module()(sample), conv(sample))
