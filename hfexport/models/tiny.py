@@ -180,11 +180,20 @@ def _layer_count(d: dict) -> int | None:
     return None
 
 
+def _per_layer(value: Any, layers: int | None) -> bool:
+    """Whether ``value`` holds one entry per layer: a list, or a pattern string of layer kinds
+    (Nemotron-H's ``"M-M*"``; not a word or version that happens to be as long: Mimi's 8 layers and
+    its pad_mode ``"constant"``, Swin's 4 stages and ``"gelu"``)."""
+    if not layers or layers < 2 or not isinstance(value, (list, str)) or len(value) != layers:
+        return False
+    return isinstance(value, list) or not any(c.islower() or c.isdigit() for c in value)
+
+
 def _layer_kinds(d: dict, original: int | None) -> int:
     """How many layers the tiny model needs to keep one of each kind found in per-layer lists."""
     kinds = 1
     for value in d.values():
-        if isinstance(value, (list, str)) and original and len(value) == original and original > 1:
+        if _per_layer(value, original):
             try:
                 kinds = max(kinds, len(set(value)))
             except TypeError:
@@ -230,9 +239,7 @@ def _shrink(d: dict[str, Any], is_config: bool) -> None:
         elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             for item in value:
                 _shrink(item, is_config="model_type" in item)
-        elif isinstance(value, list) and original_layers and len(value) == original_layers and original_layers > 1:
-            d[key] = _resize_per_layer(value, layers)
-        elif isinstance(value, str) and original_layers and len(value) == original_layers and original_layers > 2:
+        elif _per_layer(value, original_layers) and (isinstance(value, list) or original_layers > 2):
             d[key] = _resize_per_layer(value, layers)
         elif isinstance(value, list):
             shrunk = _shrink_int_list(key, value)

@@ -102,6 +102,22 @@ def test_shrink_rules():
     assert shrunk["hidden_sizes"] == [16, 32, 64, 128] and shrunk["num_heads"] == [1, 2, 4, 8]
 
 
+def test_a_word_as_long_as_the_layer_count_is_not_cut_as_a_layer_pattern():
+    # a string with one character per layer was cut with the layers: BigBird's attention_type
+    # "block_sparse" (12 layers) became "bloc" (build_error), Mimi's pad_mode "constant" "cons"
+    shrunk = shrink_config_dict(
+        {
+            "model_type": "x",
+            "num_hidden_layers": 8,
+            "pad_mode": "constant",
+            "hidden_act": "gelu_new",
+        }
+    )
+    assert shrunk["num_hidden_layers"] == 2
+    assert shrunk["pad_mode"] == "constant" and shrunk["hidden_act"] == "gelu_new"
+    assert tiny_config("big_bird").attention_type == "block_sparse"
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-bert"])
 def test_presets_get_text_inputs(name):
     model = build(name)
