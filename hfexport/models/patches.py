@@ -194,6 +194,35 @@ def _encodec_one_chunk_without_a_loop(original: Callable) -> Callable:
 
 
 @register_patch(
+    "transformers.models.cpmant.modeling_*:CpmAntModel._prepare_attention_mask",
+    name="cpmant_padding_mask_from_arange",
+    reason=(
+        "CPM-Ant counts its left padding down with torch.tensor(list(range(length))[::-1]), a Python list as "
+        "long as the sample (Eq(s70, 8)); torch.arange counting down makes the same mask for any length"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/136216",  # Python control flow on an input's size
+)
+def _cpmant_padding_mask_from_arange(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def prepare(
+        self: torch.nn.Module, input_ids: torch.Tensor, span: torch.Tensor, context: torch.Tensor, length: torch.Tensor
+    ) -> torch.Tensor:
+        batch, seqlen = input_ids.shape
+        positions = torch.arange(seqlen, device=input_ids.device)
+        attention_mask = context[:, None, :] | (
+            context[:, :, None].logical_not() & (positions <= positions.view(-1, 1)).view(1, seqlen, seqlen)
+        )
+        attention_mask = attention_mask & (span[:, None, :] == span[:, :, None])
+        left = torch.arange(seqlen - self.prompt_length - 1, -1, -1, device=input_ids.device)
+        mask_1d = left[None, :].repeat(batch, 1) < length[:, None]
+        prompt = torch.ones(batch, self.prompt_length, device=input_ids.device).bool()
+        mask_1d = torch.cat((prompt, mask_1d), dim=1)
+        return mask_1d.view(batch, seqlen, 1) & mask_1d.view(batch, 1, seqlen) & attention_mask
+
+    return prepare
+
+
+@register_patch(
     "transformers.models.switch_transformers.modeling_*:SwitchTransformersExperts.forward",
     name="switch_experts_dense",
     reason=(

@@ -172,3 +172,22 @@ def test_codec_convolutions_pad_any_length_with_the_same_numbers(causal, pad_mod
     for length in (23, 24, 40):
         sample = torch.randn(3, 2, length)
         assert torch.equal(program.module()(sample), conv(sample))
+
+
+def test_cpmant_attention_mask_is_the_same_for_any_length():
+    # CPM-Ant counted its left padding down with torch.tensor(list(range(n))[::-1]): the program took
+    # the sample's length only (Eq(s70, 8))
+    from transformers import CpmAntConfig
+    from transformers.models.cpmant.modeling_cpmant import CpmAntModel
+
+    model = CpmAntModel(CpmAntConfig(hidden_size=16, num_attention_heads=2, dim_head=8, num_hidden_layers=1)).eval()
+    for seqlen in (5, 9):
+        ids = torch.randint(0, 100, (2, seqlen + model.prompt_length))
+        span = torch.zeros_like(ids)
+        span[1, -2:] = 1
+        context = torch.ones_like(ids, dtype=torch.bool)
+        context[0, -3:] = False
+        length = torch.tensor([seqlen, seqlen - 2])
+        expected = model._prepare_attention_mask(ids, span, context, length)
+        with patches_applied(["cpmant_padding_mask_from_arange"]):
+            assert torch.equal(model._prepare_attention_mask(ids, span, context, length), expected)
