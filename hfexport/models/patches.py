@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -220,6 +221,28 @@ def _cpmant_padding_mask_from_arange(original: Callable) -> Callable:
         return mask_1d.view(batch, seqlen, 1) & mask_1d.view(batch, 1, seqlen) & attention_mask
 
     return prepare
+
+
+@register_patch(
+    "transformers.models.reformer.modeling_*:AxialPositionEmbeddings.forward",
+    name="reformer_axial_positions_by_indexing",
+    reason=(
+        "Reformer's axial position encodings (in eval) cut the table at positions.max().item() and select "
+        "each row's positions in a Python loop over the batch, fixing the batch to the sample's (Eq(s72, 2)); "
+        "indexing the whole table by the position ids selects the same encodings for any batch"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/136216",  # Python control flow on an input's size
+)
+def _reformer_axial_positions_by_indexing(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(self: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+        shape = tuple(self.axial_pos_shape)
+        if self.training or math.prod(shape) < position_ids.shape[1]:
+            return original(self, position_ids)  # training, or the length check's error
+        table = torch.cat([weight.expand(shape + weight.shape[-1:]) for weight in self.weights], dim=-1)
+        return table.reshape(-1, table.shape[-1])[position_ids]
+
+    return forward
 
 
 @register_patch(

@@ -191,3 +191,20 @@ def test_cpmant_attention_mask_is_the_same_for_any_length():
         expected = model._prepare_attention_mask(ids, span, context, length)
         with patches_applied(["cpmant_padding_mask_from_arange"]):
             assert torch.equal(model._prepare_attention_mask(ids, span, context, length), expected)
+
+
+def test_reformer_axial_positions_are_the_same_for_any_batch():
+    # Reformer selected each row's axial encodings in a Python loop over the batch: the program took
+    # the sample's batch only (Eq(s72, 2))
+    from transformers import ReformerConfig
+    from transformers.models.reformer.modeling_reformer import AxialPositionEmbeddings
+
+    config = ReformerConfig(axial_pos_shape=[4, 8], axial_pos_embds_dim=[6, 10], hidden_size=16)
+    embeddings = AxialPositionEmbeddings(config).eval()
+    for weight in embeddings.weights:
+        torch.nn.init.normal_(weight)
+    for batch, length in ((1, 5), (3, 17)):
+        positions = torch.arange(length).expand(batch, -1) + torch.arange(batch)[:, None] * 3
+        expected = embeddings(positions)
+        with patches_applied(["reformer_axial_positions_by_indexing"]):
+            assert torch.equal(embeddings(positions), expected)
