@@ -131,13 +131,16 @@ def _patched_state():
 def test_every_registered_patch_is_restored_after_a_failing_capture_and_decomposition(monkeypatch):
     import executorch.exir.program._program as executorch_program
     import pytest
+    import transformers.models.cpmant.modeling_cpmant  # a target of cpmant_padding_mask_from_arange
     import transformers.models.encodec.modeling_encodec  # targets of the codec convolutions' patches
+    import transformers.models.llava.modeling_llava  # a target of llava_image_features_split_when_read
     import transformers.models.mamba.modeling_mamba  # a target of selective_scan_as_scan_op
     import transformers.models.mimi.modeling_mimi
     import transformers.models.pocket_tts_audio_tokenizer.modeling_pocket_tts_audio_tokenizer
     import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl  # a target of vision_window_index_per_token
     import transformers.models.qwen2_vl.modeling_qwen2_vl
     import transformers.models.qwen3_vl.modeling_qwen3_vl  # a target of vision_interpolation_per_token
+    import transformers.models.reformer.modeling_reformer  # a target of reformer_axial_positions_by_indexing
     import transformers.models.rwkv.modeling_rwkv  # a target of rwkv_recurrence_as_scan_op
     import transformers.models.switch_transformers.modeling_switch_transformers  # switch_experts_dense
     import transformers.models.wavtokenizer.modeling_wavtokenizer  # noqa: F401

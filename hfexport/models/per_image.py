@@ -377,3 +377,36 @@ def _cat_of_a_deferred_split(original: Callable) -> Callable:
         return original(tensors, *args, **kwargs)
 
     return cat
+
+
+@register_patch(
+    "transformers.models.llava.modeling_*:LlavaModel.get_image_features",
+    name="llava_image_features_split_when_read",
+    reason=(
+        "LLaVA's get_image_features returns list(image_features), one piece per image, which its forward "
+        "concatenates again: the list fixes the number of images to the sample's (Eq(s99, 2)). The projector's "
+        "rows of every image are returned as a deferred split, one piece per image when read"
+    ),
+    upstream=UPSTREAM,
+)
+def _llava_image_features_split_when_read(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def get_image_features(self: torch.nn.Module, pixel_values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sizes_given = (len(args) >= 3 and args[2] is not None) or kwargs.get("image_sizes") is not None
+        if sizes_given or isinstance(pixel_values.shape[0], int):
+            return original(self, pixel_values, *args, **kwargs)
+        # one piece holding every image's rows, so that list() of it has one item
+        handle = self.multi_modal_projector.register_forward_hook(
+            lambda module, inputs, output: output.reshape(1, -1, output.shape[-1])
+        )
+        try:
+            outputs = original(self, pixel_values, *args, **kwargs)
+        finally:
+            handle.remove()
+        (rows,) = outputs.pooler_output
+        images = pixel_values.shape[0]
+        sizes = torch.ones(images, dtype=torch.long, device=rows.device) * (rows.shape[0] // images)
+        outputs.pooler_output = DeferredSplit(rows, LazySizes(sizes, torch.Tensor.tolist), 0, torch.Tensor.split)
+        return outputs
+
+    return get_image_features

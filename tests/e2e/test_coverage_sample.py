@@ -111,12 +111,19 @@ def test_a_cache_holding_empty_lists_for_skipped_layers_is_exported():
 
 
 def test_a_shape_condition_of_the_trace_the_inputs_fail_is_one_line():
-    """SEW's code fixes an arithmetic relation of its input length while tracing, which the
-    manifest's per-axis bounds cannot state: a second length reached the user as torch's bare
-    ``AssertionError: Guard failed: ...``."""
-    rows = run_case("sew", ("dynamo",))
+    """Nemotron 3.5 Transcribe's code fixes an arithmetic relation of its input length while tracing
+    (its chunks of 8 frames), which the manifest's per-axis bounds cannot state: a second length
+    reached the user as torch's bare ``AssertionError: Guard failed: ...``."""
+    rows = run_case("nemotron3_5_transcribe_audio", ("dynamo",))
     assert rows["dynamo"]["status"] == "second_shape_error", rows["dynamo"]
     assert rows["dynamo"]["cause"].startswith("HfExportError: the inputs' shapes fail a condition"), rows["dynamo"]
+
+
+def test_llava_takes_any_number_of_images():
+    """LLaVA's get_image_features returned list(image_features), one piece per image: the program
+    took the sample's number of images only (patch llava_image_features_split_when_read)."""
+    rows = run_case("llava", ("dynamo",))
+    assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
 
 
 def test_a_windowed_vision_transformer_exports_at_its_configured_image_size():
