@@ -410,3 +410,34 @@ def _llava_image_features_split_when_read(original: Callable) -> Callable:
         return outputs
 
     return get_image_features
+
+
+@register_patch(
+    "transformers.models.pixtral.modeling_*:PixtralVisionModel.forward",
+    name="pixtral_images_of_one_size_without_a_loop",
+    reason=(
+        "Pixtral's vision encoder cuts, flattens and positions each image in Python loops over the batch, "
+        "fixing the number of images to the sample's; images given without sizes all have the batch's size, "
+        "so the same sequence, positions and block mask are made for any number of them"
+    ),
+    upstream=UPSTREAM,
+)
+def _pixtral_images_of_one_size_without_a_loop(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(self: torch.nn.Module, pixel_values: torch.Tensor, image_sizes: Any = None, **kwargs: Any) -> Any:
+        if image_sizes is not None or kwargs or isinstance(pixel_values.shape[0], int):
+            return original(self, pixel_values, image_sizes, **kwargs)
+        embeds = self.patch_conv(pixel_values.to(dtype=self.patch_conv.weight.dtype))  # (images, dim, h, w)
+        images, dim, height, width = embeds.shape
+        patch_embeds = self.ln_pre(embeds.flatten(2).transpose(1, 2).reshape(1, -1, dim))
+        rows, columns = torch.meshgrid(
+            torch.arange(height, device=embeds.device), torch.arange(width, device=embeds.device), indexing="ij"
+        )
+        position_ids = torch.stack([rows.flatten(), columns.flatten()], dim=-1).repeat(images, 1)
+        position_embeddings = self.patch_positional_embedding(patch_embeds, position_ids)
+        image = torch.arange(patch_embeds.shape[1], device=embeds.device) // (height * width)
+        dtype = patch_embeds.dtype
+        mask = torch.where(image[:, None] == image[None, :], 0.0, torch.finfo(dtype).min).to(dtype)
+        return self.transformer(patch_embeds, attention_mask=mask[None, None], position_embeddings=position_embeddings)
+
+    return forward

@@ -119,10 +119,12 @@ def test_a_shape_condition_of_the_trace_the_inputs_fail_is_one_line():
     assert rows["dynamo"]["cause"].startswith("HfExportError: the inputs' shapes fail a condition"), rows["dynamo"]
 
 
-def test_llava_takes_any_number_of_images():
-    """LLaVA's get_image_features returned list(image_features), one piece per image: the program
-    took the sample's number of images only (patch llava_image_features_split_when_read)."""
-    rows = run_case("llava", ("dynamo",))
+@pytest.mark.parametrize("model_type", ["llava", "pixtral"])
+def test_a_vision_model_looping_over_its_images_takes_any_number_of_them(model_type):
+    """LLaVA's get_image_features returned list(image_features), one piece per image; Pixtral's
+    vision encoder cut and positioned each image in a loop: each program took the sample's number
+    of images only (patches llava_image_features_split_when_read, pixtral_images_of_one_size_without_a_loop)."""
+    rows = run_case(model_type, ("dynamo",))
     assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
 
 
