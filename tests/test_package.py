@@ -131,6 +131,7 @@ def _patched_state():
 def test_every_registered_patch_is_restored_after_a_failing_capture_and_decomposition(monkeypatch):
     import executorch.exir.program._program as executorch_program
     import pytest
+    import transformers.models.canine.modeling_canine  # targets of canine_local_attention_as_a_block_mask, ...
     import transformers.models.cpmant.modeling_cpmant  # a target of cpmant_padding_mask_from_arange
     import transformers.models.encodec.modeling_encodec  # targets of the codec convolutions' patches
     import transformers.models.llava.modeling_llava  # a target of llava_image_features_split_when_read

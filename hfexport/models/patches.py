@@ -246,6 +246,68 @@ def _reformer_axial_positions_by_indexing(original: Callable) -> Callable:
 
 
 @register_patch(
+    "transformers.models.canine.modeling_*:CanineAttention.forward",
+    name="canine_local_attention_as_a_block_mask",
+    reason=(
+        "CANINE's local attention attends within chunks of the characters in a Python loop over "
+        "range(0, length, stride), fixing the length to the sample's; with chunks that neither overlap nor "
+        "attend to the first position (how CanineModel builds its character encoder) it is attention masked "
+        "to the diagonal blocks (-inf outside, so each row's softmax is its chunk's)"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/136216",  # Python control flow on an input's size
+)
+def _canine_local_attention_as_a_block_mask(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(
+        self: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        output_attentions: bool | None = False,
+    ) -> tuple:
+        width = self.attend_from_chunk_width
+        blocks = self.local and width == self.attend_from_chunk_stride == self.attend_to_chunk_width
+        blocks = blocks and width == self.attend_to_chunk_stride
+        blocks = blocks and not (self.always_attend_to_first_position or self.first_position_attends_to_all)
+        if (
+            not blocks
+            or output_attentions
+            or attention_mask is None
+            or attention_mask.ndim != 3
+            or isinstance(hidden_states.shape[1], int)
+        ):
+            return original(self, hidden_states, attention_mask, output_attentions)
+        chunk = torch.arange(hidden_states.shape[1], device=hidden_states.device) // width
+        additive = (1.0 - attention_mask.float()) * torch.finfo(hidden_states.dtype).min
+        additive = additive.masked_fill(chunk[:, None] != chunk[None, :], float("-inf"))
+        context = self.self(hidden_states, hidden_states, additive[:, None], False)[0]
+        return (self.output(context, hidden_states),)
+
+    return forward
+
+
+@register_patch(
+    "transformers.models.canine.modeling_*:CanineModel._repeat_molecules",
+    name="canine_molecules_repeated_for_any_count",
+    reason=(
+        "CANINE repeats its molecules back to characters with repeat_interleave; a sample of up to 11 "
+        "characters has one molecule past the first, and that size of one is fixed by the repeat's "
+        "contiguity check (Eq((s41//4) - 1, 1)). Repeated with sizes of one treated as any size, as "
+        "torch.export's size-oblivious reasoning does"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/146315",  # 0/1 specialization of dynamic sizes
+)
+def _canine_molecules_repeated_for_any_count(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def repeat_molecules(self: torch.nn.Module, molecules: torch.Tensor, char_seq_length: int) -> torch.Tensor:
+        from torch.fx.experimental import _config as shapes_config
+
+        with shapes_config.patch(backed_size_oblivious=True):
+            return original(self, molecules, char_seq_length)
+
+    return repeat_molecules
+
+
+@register_patch(
     "transformers.models.switch_transformers.modeling_*:SwitchTransformersExperts.forward",
     name="switch_experts_dense",
     reason=(

@@ -208,3 +208,25 @@ def test_reformer_axial_positions_are_the_same_for_any_batch():
         expected = embeddings(positions)
         with patches_applied(["reformer_axial_positions_by_indexing"]):
             assert torch.equal(embeddings(positions), expected)
+
+
+def test_canine_exports_for_any_number_of_characters():
+    # CANINE attended within chunks in a Python loop over the length and fixed its one molecule
+    # past the first (a sample of 8 characters): the program took the sample's length only
+    from hfexport import DynamoConfig, DynamoExporter
+    from hfexport.models.samples import config_sample_inputs
+    from hfexport.models.tiny import build_tiny
+
+    torch.manual_seed(0)
+    model = build_tiny("canine")
+    model.config.local_transformer_stride = 4  # several chunks at these lengths
+    for layer in model.canine.initial_char_encoder.layer:
+        attention = layer.attention
+        attention.attend_from_chunk_width = attention.attend_from_chunk_stride = 4
+        attention.attend_to_chunk_width = attention.attend_to_chunk_stride = 4
+    program = DynamoExporter().export(model, config_sample_inputs(model), DynamoConfig(dynamic=True))
+    for length in (8, 13, 21):
+        inputs = config_sample_inputs(model, 3, length, seed=length)
+        with torch.no_grad():
+            expected = model(**inputs).logits
+        torch.testing.assert_close(program.module()(**inputs).logits, expected, atol=1e-5, rtol=1e-5)
