@@ -105,16 +105,24 @@ def redirect_users(program: torch.export.ExportedProgram, node: Node, replacemen
 def synced_output_specs(program: torch.export.ExportedProgram) -> None:
     """Name in the graph signature the nodes the graph's output actually returns. A rewrite of the
     graph alone (``node.replace_all_uses_with``) leaves an output spec naming the node it replaced;
-    the specs follow the output node's arguments in order."""
-    from torch.export.graph_signature import ExportGraphSignature, TensorArgument
+    the specs follow the output node's arguments in order (a size returned as an output, a
+    ``SymIntArgument``, too: Moshi returns one, which torch.onnx then could not find)."""
+    from torch.export.graph_signature import (
+        ExportGraphSignature,
+        SymBoolArgument,
+        SymFloatArgument,
+        SymIntArgument,
+        TensorArgument,
+    )
 
+    named = (TensorArgument, SymIntArgument, SymFloatArgument, SymBoolArgument)
     returned = program.graph.output_node().args[0]
     specs = list(program.graph_signature.output_specs)
     if len(returned) != len(specs):
         return
     synced = [
-        dataclasses.replace(spec, arg=TensorArgument(value.name))
-        if isinstance(spec.arg, TensorArgument) and isinstance(value, Node) and value.name != spec.arg.name
+        dataclasses.replace(spec, arg=type(spec.arg)(name=value.name))
+        if isinstance(spec.arg, named) and isinstance(value, Node) and value.name != spec.arg.name
         else spec
         for spec, value in zip(specs, returned, strict=True)
     ]

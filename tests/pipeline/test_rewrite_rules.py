@@ -95,3 +95,30 @@ def test_rule_pass_registers_with_ordering_and_description(monkeypatch):
 def test_a_bare_target_is_not_a_pattern():
     with pytest.raises(TypeError, match="collection of targets"):
         RewriteRule("bare", aten.mul.Tensor, doubles_only, mul_by_two_as_add)
+
+
+def test_replacing_a_size_the_program_returns_names_the_replacement_in_the_signature():
+    # Moshi returns a size as an output; the ONNX lowering reads every size off the inputs
+    # (replace_node), which left the signature naming the erased node: torch.onnx's KeyError
+    from torch.export.graph_signature import SymIntArgument
+
+    from hfexport.pipeline.graph_edit import GraphEditor, replace_node
+
+    class ReturnsASize(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+            y = x.transpose(0, 1)
+            return y * 2, y.shape[0]
+
+    program = torch.export.export(
+        ReturnsASize(), (torch.randn(3, 4),), dynamic_shapes=({0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO},)
+    )
+    (size,) = [n for n in program.graph.nodes if n.target is torch.ops.aten.sym_size.int and n.args[1] == 1]
+    placeholder = next(n for n in program.graph.nodes if n.op == "placeholder")
+    first = next(n for n in program.graph.nodes if n.op != "placeholder")
+    read = GraphEditor(program.graph, first).call(torch.ops.aten.sym_size.int, placeholder, 1)
+    read.meta["val"] = size.meta["val"]
+    replace_node(program, size, read)
+    returned = [spec.arg for spec in program.graph_signature.output_specs if isinstance(spec.arg, SymIntArgument)]
+    assert [arg.name for arg in returned] == [read.name]
+    program.graph_module.recompile()
+    assert program.module()(torch.randn(5, 6))[1] == 6
