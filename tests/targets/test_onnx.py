@@ -375,3 +375,20 @@ def test_group_query_attention_decode_runs_without_io_binding_step_after_step(tm
         got.append(torch.from_numpy(outputs["logits"]))
     expected = eager(model, {"input_ids": ids}).logits
     torch.testing.assert_close(torch.cat(got, 1), expected, atol=1e-4, rtol=0)
+
+
+def test_a_scalar_minus_a_mask_exports_when_torch_onnx_decomposes_the_program(tmp_path):
+    # `1.0 - attention_mask` (XLNet, ProphetNet) in a program torch.onnx decomposes (one_hot has no
+    # translation of its own): its decomposition made aten.sub.Tensor(1.0, mask) and failed
+    class MaskedScores(torch.nn.Module):
+        def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            inverted = 1.0 - attention_mask
+            return torch.nn.functional.one_hot(ids, 7).float() * inverted[..., None]
+
+    sample = {"ids": torch.tensor([[1, 5, 6], [0, 2, 3]]), "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}
+    OnnxExporter().export(MaskedScores(), sample, OnnxConfig(dynamic=True)).save(tmp_path / "model.onnx")
+    runner = OnnxRunner(tmp_path / "model.onnx")
+    other = {"ids": torch.randint(0, 7, (3, 5)), "attention_mask": torch.randint(0, 2, (3, 5))}
+    for inputs in (sample, other):
+        got = torch.from_numpy(next(iter(runner.run_dict(inputs).values())))
+        assert torch.equal(got, MaskedScores()(**inputs))

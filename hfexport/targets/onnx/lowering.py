@@ -23,7 +23,7 @@ from torch.export.graph_signature import ConstantArgument, ExportGraphSignature,
 from torch.export.graph_signature import OutputSpec as SignatureOutput
 
 from hfexport.passes.cache import mutated_argument
-from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind
+from hfexport.pipeline.artifacts import ArtifactKind, register_artifact_kind, snapshot_program
 from hfexport.pipeline.capture import Captured
 from hfexport.pipeline.graph_edit import GraphEditor, arguments, redirect_users, replace_node
 from hfexport.pipeline.io_names import program_io_names, user_input_names
@@ -94,7 +94,7 @@ def _functional_without_retrace(original: Any) -> Any:
     @functools.wraps(original)
     def decompose_with_registry(exported_program: Any, registry: Any) -> Any:
         functional = translatable_program(exported_program, registry)
-        return functional if functional is not None else original(exported_program, registry)
+        return functional if functional is not None else original(without_scalar_rsub(exported_program), registry)
 
     return decompose_with_registry
 
@@ -207,6 +207,31 @@ def _fresh_tensor(node: torch.fx.Node) -> bool:
     )
 
 
+def _is_scalar_rsub(node: torch.fx.Node) -> bool:
+    return node.target is torch.ops.aten.rsub.Scalar and len(node.args) == 2 and not node.kwargs
+
+
+def _rsub_as_negated_add(program: torch.export.ExportedProgram, node: torch.fx.Node) -> None:
+    """``rsub(x, c)`` (``c - x``, as ``1.0 - mask``) as ``x * -1 + c``: the same numbers, exactly.
+    torch.onnx's decomposition makes ``aten.sub.Tensor(c, x)`` of it, which fails ("Expected a
+    value of type 'int' for argument 'b'": XLNet, ProphetNet)."""
+    editor = GraphEditor(program.graph, node)
+    negated = editor.call(torch.ops.aten.mul.Tensor, node.args[0], -1)
+    replace_node(program, node, editor.call(torch.ops.aten.add.Tensor, negated, node.args[1]))
+
+
+def without_scalar_rsub(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``program``, or a copy of it with every ``rsub`` of a scalar as :func:`_rsub_as_negated_add` makes it."""
+    if not any(_is_scalar_rsub(node) for node in program.graph.nodes):
+        return program
+    program = snapshot_program(program)
+    for node in list(program.graph.nodes):
+        if _is_scalar_rsub(node):
+            _rsub_as_negated_add(program, node)
+    program.graph_module.recompile()
+    return program
+
+
 def translatable_program(program: torch.export.ExportedProgram, registry: Any) -> torch.export.ExportedProgram | None:
     """A functional copy of ``program`` that torch.onnx can translate as it is with ``registry``
     (its ``ONNXRegistry``), or None.
@@ -266,6 +291,9 @@ def translatable_program(program: torch.export.ExportedProgram, registry: Any) -
             continue
         if target in _OPERATOR_OPS and translated(_OPERATOR_OPS[target]):
             replace_node(functional, node, GraphEditor(graph, node).call(_OPERATOR_OPS[target], *node.args))
+            continue
+        if _is_scalar_rsub(node):
+            _rsub_as_negated_add(functional, node)
             continue
         if not target._schema.is_mutable:
             if not translated(target):
