@@ -68,7 +68,7 @@ def _ep_run(program: torch.export.ExportedProgram, inputs: dict[str, Any]) -> li
 
     with torch.no_grad():
         outputs = program.module()(**copy_inputs(inputs))
-    return flat_tensors(outputs)
+    return outputs_in_program_order(program.call_spec.out_spec, outputs)
 
 
 def snapshot_program(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
@@ -90,6 +90,17 @@ def snapshot_program(program: torch.export.ExportedProgram) -> torch.export.Expo
 def flat_tensors(outputs: Any) -> list[torch.Tensor]:
     """The tensor leaves of a (pytree) output, in flattening order."""
     return [leaf for leaf in torch.utils._pytree.tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
+
+
+def outputs_in_program_order(out_spec: Any, outputs: Any) -> list[torch.Tensor]:
+    """The tensor leaves of what ``program.module()`` returned, in the program's own output order
+    (``out_spec`` is the program's ``call_spec.out_spec``; see
+    :func:`~hfexport.pipeline.io_names.leaves_in_spec_order` for why flattening is not enough)."""
+    from hfexport.pipeline.io_names import leaves_in_spec_order
+
+    if out_spec is None:
+        return flat_tensors(outputs)
+    return [leaf for leaf in leaves_in_spec_order(out_spec, outputs) if isinstance(leaf, torch.Tensor)]
 
 
 def named_tensors(outputs: Any) -> dict[str, torch.Tensor]:

@@ -604,12 +604,12 @@ def _program_difference(
     """The max abs difference between ``program`` on ``inputs`` and eager's ``expected``, and
     ``None``; infinite, with why, when the program cannot run them (a guard of a widened trace that
     the caller's sample does not meet, other shapes or another count of outputs)."""
-    from hfexport.pipeline.artifacts import flat_tensors
+    from hfexport.pipeline.artifacts import outputs_in_program_order
     from hfexport.pipeline.instruments import max_abs_diff
 
     with torch.no_grad():
         try:
-            got = flat_tensors(program.module()(**copy_inputs(inputs)))
+            got = outputs_in_program_order(program.call_spec.out_spec, program.module()(**copy_inputs(inputs)))
         except Exception as error:
             return float("inf"), f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
     difference = max_abs_diff(expected, got)

@@ -110,3 +110,42 @@ def _copy(cache):
     import copy
 
     return copy.deepcopy(cache)
+
+
+class _LatePooler(torch.nn.Module):
+    """Sets ``pooler_output`` after building its output, as Aya Vision's vision tower does: eager's
+    field order (last_hidden_state, hidden_states, pooler_output) is not the dataclass's."""
+
+    def forward(self, x: torch.Tensor):
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        out = BaseModelOutputWithPooling(last_hidden_state=x * 2, hidden_states=(x + 1,))
+        out.pooler_output = x[:, :1].mean(-1)
+        return out
+
+
+def test_output_fields_set_after_construction_keep_their_names(tmp_path):
+    import onnxruntime as ort
+
+    from hfexport import OnnxConfig, OnnxExporter
+    from hfexport.targets.dynamo import DynamoRunner, program_component
+
+    model, x, y = _LatePooler(), torch.randn(2, 5, 4), torch.randn(3, 7, 4)
+    expected = model(y)
+    expected = {
+        "last_hidden_state": expected.last_hidden_state,
+        "hidden_states.0": expected.hidden_states[0],
+        "pooler_output": expected.pooler_output,
+    }
+    program = DynamoExporter().export(model, {"x": x}, config=DynamoConfig(dynamic=True))
+    got = DynamoRunner(program, program_component(program, None)).run_named({"x": y})
+    assert set(got) == set(expected)
+    OnnxExporter().export(model, {"x": x}, config=OnnxConfig(dynamic=True)).save(tmp_path / "model.onnx")
+    session = ort.InferenceSession(tmp_path / "model.onnx")
+    names = [o.name for o in session.get_outputs()]
+    by_name = dict(zip(names, session.run(None, {"x": y.numpy()}), strict=True))
+    assert len(by_name) == 3
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=1e-6, rtol=0)
+        onnx_name = next(n for n in names if n.replace("_", ".").endswith(name.replace("_", ".")))
+        torch.testing.assert_close(torch.from_numpy(by_name[onnx_name]), value, atol=1e-6, rtol=0)

@@ -14,7 +14,7 @@ import torch
 
 from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
-from hfexport.pipeline.artifacts import flat_tensors
+from hfexport.pipeline.artifacts import outputs_in_program_order
 from hfexport.pipeline.capture import Captured, copy_inputs
 from hfexport.targets import Target
 from hfexport.targets.manifest import (
@@ -124,6 +124,7 @@ class DynamoRunner(Runner):
     def __init__(self, program: torch.export.ExportedProgram, spec: ComponentSpec) -> None:
         super().__init__(spec)
         self.module = program.module()
+        self.out_spec = program.call_spec.out_spec
         self.example_kwargs = program.example_inputs[1] if program.example_inputs else {}
 
     def run(self, inputs: dict[str, Any]) -> list[torch.Tensor]:
@@ -131,7 +132,7 @@ class DynamoRunner(Runner):
         self.ordered(inputs)
         from hfexport.models.frontend import normalize_inputs
 
-        return flat_tensors(self._call(copy_inputs(normalize_inputs(inputs, renames=True))))
+        return outputs_in_program_order(self.out_spec, self._call(copy_inputs(normalize_inputs(inputs, renames=True))))
 
     def _call(self, kwargs: dict[str, Any]) -> Any:
         """``module()(**kwargs)``; a shape condition the trace recorded that the inputs fail (a guard
@@ -164,7 +165,7 @@ class DynamoRunner(Runner):
         leaves, spec = pytree.tree_flatten_with_path(self.example_kwargs)
         values = [flat.get(path_name(path), leaf) for path, leaf in leaves]
         outputs = self._call(pytree.tree_unflatten(values, spec))
-        found = self.by_path(flat_tensors(outputs))
+        found = self.by_path(outputs_in_program_order(self.out_spec, outputs))
         found.update({i.path: flat[i.path] for i in self.spec.inputs if i.written and i.path in flat})
         return found
 
@@ -215,6 +216,7 @@ class DynamoDecoder(StaticCacheDecoder):
         self.max_cache_len = self.cache_length([m.shape for m in masks], leaves)
         self.masks.check_cache_length(self.max_cache_len)
         self.module = program.module()
+        self.out_spec = program.call_spec.out_spec
 
     def _masks(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
         masks = self.masks.structured(valid, query_slots)
