@@ -137,6 +137,7 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
     import transformers.models.llava.modeling_llava  # a target of llava_image_features_split_when_read
     import transformers.models.mamba.modeling_mamba  # a target of selective_scan_as_scan_op
     import transformers.models.mimi.modeling_mimi
+    import transformers.models.ovis2.modeling_ovis2  # a target of ovis2_visual_indicators_by_where
     import transformers.models.pixtral.modeling_pixtral  # a target of pixtral_images_of_one_size_without_a_loop
     import transformers.models.pocket_tts_audio_tokenizer.modeling_pocket_tts_audio_tokenizer
     import transformers.models.qwen2_5_vl.modeling_qwen2_5_vl  # a target of vision_window_index_per_token

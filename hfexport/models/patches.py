@@ -762,3 +762,56 @@ def _rwkv_recurrence_as_scan_op(original: Callable) -> Callable:
         return outputs.transpose(0, 1), returned
 
     return rwkv_linear_attention_cpu
+
+
+@register_patch(
+    "transformers.models.ovis2.modeling_ovis2:Ovis2Model.forward",
+    name="ovis2_visual_indicators_by_where",
+    reason=(
+        "Ovis2 writes each visual indicator token's embedding only `if mask.any()`, a branch on the ids' "
+        "values (GuardOnDataDependentSymNode Eq(u1, 1)); torch.where writes the same embeddings, none where "
+        "the token is absent, without the branch. The rest of the forward is transformers 5.24's"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/136216",  # Python control flow on a tensor's value
+)
+def _ovis2_visual_indicators_by_where(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(
+        self: Any,
+        input_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        mm_encoder_outputs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        branchless = input_ids is not None and inputs_embeds is None and pixel_values is not None
+        if not branchless or mm_encoder_outputs is not None or "past_key_values" in kwargs:
+            return original(
+                self, input_ids, pixel_values, attention_mask, position_ids, cache, inputs_embeds, labels, use_cache,
+                mm_encoder_outputs, **kwargs,
+            )  # fmt: skip
+        as_tuple = kwargs.pop("return_dict", None) is False
+        inputs_embeds = self.get_input_embeddings()(input_ids)
+        image = self.get_image_features(pixel_values=pixel_values, return_dict=True)
+        mask = self.get_placeholder_mask(input_ids, inputs_embeds=inputs_embeds, image_features=image.pooler_output)
+        inputs_embeds = inputs_embeds.masked_scatter(mask, image.pooler_output.to(inputs_embeds.dtype))
+        indicators = image.visual_indicator_features.to(inputs_embeds.dtype)
+        for i, token in enumerate(self.visual_indicator_token_ids):
+            inputs_embeds = torch.where((input_ids == token).unsqueeze(-1), indicators[i], inputs_embeds)
+        outputs = self.language_model(
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        output = sys.modules[type(self).__module__].Ovis2ModelOutputWithPast(**outputs, image_outputs=image)
+        return output.to_tuple() if as_tuple else output
+
+    return forward

@@ -230,3 +230,25 @@ def test_canine_exports_for_any_number_of_characters():
         with torch.no_grad():
             expected = model(**inputs).logits
         torch.testing.assert_close(program.module()(**inputs).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_ovis2_exports_with_its_visual_indicator_tokens():
+    # Ovis2 wrote each indicator token's embedding only `if mask.any()`, a branch on the ids' values:
+    # the capture failed (GuardOnDataDependentSymNode)
+    from hfexport import DynamoConfig, DynamoExporter
+    from hfexport.models.samples import config_sample_inputs
+    from hfexport.models.tiny import build_tiny
+
+    torch.manual_seed(0)
+    model = build_tiny("ovis2")
+    sample = config_sample_inputs(model)
+    program = DynamoExporter().export(model, sample, DynamoConfig(dynamic=True))
+    first, *others = model.config.visual_indicator_token_ids
+    with_indicators = {name: value.clone() for name, value in sample.items()}
+    with_indicators["input_ids"][0, -3:] = torch.tensor([first, others[-1], first])  # none in row 1
+    with torch.no_grad():
+        plain = model(**sample).logits
+        expected = model(**with_indicators).logits
+        assert (expected[0] - plain[0]).abs().max() > 1e-3  # the indicators change row 0's logits
+        torch.testing.assert_close(program.module()(**with_indicators).logits, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(program.module()(**sample).logits, plain, atol=1e-5, rtol=1e-5)
