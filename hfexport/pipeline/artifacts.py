@@ -100,7 +100,7 @@ def outputs_in_program_order(out_spec: Any, outputs: Any) -> list[torch.Tensor]:
 
     if out_spec is None:
         return flat_tensors(outputs)
-    return [leaf for leaf in leaves_in_spec_order(out_spec, outputs) if isinstance(leaf, torch.Tensor)]
+    return [leaf for _, leaf in leaves_in_spec_order(out_spec, outputs) if isinstance(leaf, torch.Tensor)]
 
 
 def named_tensors(outputs: Any) -> dict[str, torch.Tensor]:
