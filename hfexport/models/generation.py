@@ -403,11 +403,50 @@ def decompose_for_generation(
             patches = next(iter(inspect.signature(module.forward).parameters), "hidden_states")
             kwargs = {("hidden_states" if k == patches else k): v for k, v in kwargs.items()}
             module, kwargs = VisionEncoderWithIndices(module), {**kwargs, **vision_indices}
+        if name == "encoder" and _merges_embeddings_first(kwargs, inputs):
+            module, kwargs = EncoderOfPrompt(model), {k: v for k, v in inputs.items() if not k.startswith("decoder_")}
         components[name] = (module, kwargs)
     if "language_model" not in components:  # multimodal prefill = the hooked components
         components["prefill"] = (model, prefill)
     components["decode"] = (model, decode)
     return components
+
+
+class EncoderOfPrompt(torch.nn.Module):
+    """An encoder-decoder's encoder step from the prompt's own inputs, as generate runs it
+    (``_maybe_prepare_encoder_kwargs_for_generation``). For a model that merges its image features
+    into the text embeddings before the text encoder (Florence-2), ``get_encoder()`` alone takes
+    the merged embeddings, which a decode loop fed with ids and pixels cannot make."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    INPUTS = ("input_ids", "attention_mask", "pixel_values")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+    ) -> Any:
+        given = {"attention_mask": attention_mask, "pixel_values": pixel_values}
+        prepared = self.model._maybe_prepare_encoder_kwargs_for_generation(
+            input_ids, {k: v for k, v in given.items() if v is not None}, "input_ids", self.model.generation_config
+        )
+        return prepared["encoder_outputs"]
+
+
+def _merges_embeddings_first(encoder_call: dict[str, Any], inputs: Any) -> bool:
+    """Whether generate handed the encoder embeddings it made itself from the prompt's ids (and
+    media), rather than the prompt's inputs."""
+    return (
+        "inputs_embeds" in encoder_call
+        and "input_ids" not in encoder_call
+        and isinstance(inputs, dict)
+        and isinstance(inputs.get("input_ids"), torch.Tensor)
+        and {k for k in inputs if not k.startswith("decoder_")} <= set(EncoderOfPrompt.INPUTS)
+    )
 
 
 def _without_encoder_inputs(kwargs: dict[str, Any], encoder_call: dict[str, Any]) -> dict[str, Any]:

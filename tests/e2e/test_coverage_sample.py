@@ -143,3 +143,13 @@ def test_a_windowed_vision_transformer_exports_at_its_configured_image_size():
     assert "pixel_values" not in TRANSFORMERS.static_axes(model, smaller)
     rows = run_case("swin", ("dynamo",))
     assert rows["dynamo"]["status"] == "pass", rows["dynamo"]
+
+
+def test_an_encoder_decoder_merging_image_features_first_generates():
+    """Florence-2 merges its image features into the text embeddings before its text encoder, so
+    generate hands get_encoder() embeddings: the exported encoder took inputs_embeds, and the decode
+    loop, fed the prompt's ids and pixels, failed ("unknown input(s) ['pixel_values', 'input_ids']").
+    The encoder component is the model's own encoder step from the prompt's inputs."""
+    rows = run_case("florence2", (), ("generate:onnx",))
+    assert rows["generate:onnx"]["status"] == "pass", rows["generate:onnx"]
+    assert rows["generate:onnx"]["got"] == rows["generate:onnx"]["expected"]
