@@ -133,6 +133,7 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
     import pytest
     import transformers.models.canine.modeling_canine  # targets of canine_local_attention_as_a_block_mask, ...
     import transformers.models.cpmant.modeling_cpmant  # a target of cpmant_padding_mask_from_arange
+    import transformers.models.deepseek_v4.modeling_deepseek_v4  # targets of deepseek_v4_*_for_any_window_count
     import transformers.models.encodec.modeling_encodec  # targets of the codec convolutions' patches
     import transformers.models.llava.modeling_llava  # a target of llava_image_features_split_when_read
     import transformers.models.mamba.modeling_mamba  # a target of selective_scan_as_scan_op

@@ -307,6 +307,34 @@ def _canine_molecules_repeated_for_any_count(original: Callable) -> Callable:
     return repeat_molecules
 
 
+def _sizes_of_one_as_any_size(original: Callable) -> Callable:
+    """``original`` traced with sizes of one treated as any size (torch.export's size-oblivious
+    reasoning), so a size that is one at the sample is not fixed by a contiguity check."""
+
+    @functools.wraps(original)
+    def size_oblivious(*args: Any, **kwargs: Any) -> Any:
+        from torch.fx.experimental import _config as shapes_config
+
+        with shapes_config.patch(backed_size_oblivious=True):
+            return original(*args, **kwargs)
+
+    return size_oblivious
+
+
+for _compressor in ("DeepseekV4CSACompressor", "DeepseekV4Indexer"):
+    register_patch(
+        f"transformers.models.deepseek_v4.modeling_deepseek_v4:{_compressor}.forward",
+        name=f"deepseek_v4_{_compressor.removeprefix('DeepseekV4').lower()}_for_any_window_count",
+        reason=(
+            f"{_compressor} copies each window's overlap from the window before (new_kv[:, 1:] = "
+            "chunk_kv[:, :-1]); at the sample's 8 tokens there is one such window, and the copy's contiguity "
+            "check fixed that count (Eq((s70//4) - 1, 1)): the program took at most 11 tokens. Traced with "
+            "sizes of one treated as any size, it takes any length"
+        ),
+        upstream="https://github.com/pytorch/pytorch/issues/146315",  # 0/1 specialization of dynamic sizes
+    )(_sizes_of_one_as_any_size)
+
+
 @register_patch(
     "transformers.models.switch_transformers.modeling_*:SwitchTransformersExperts.forward",
     name="switch_experts_dense",
