@@ -581,7 +581,7 @@ def write_report(path: Path = DOC) -> None:
         if not ran:
             return "–"
         passed = sum(r["status"] == "pass" for r in ran)
-        return f"{passed}/{len(ran)} ({100 * passed / len(ran):.0f}%)"
+        return f"{passed}/{len(ran)} ({100 * passed / len(ran):.1f}%)"
 
     for kind in KINDS:
         if by_kind.get(kind):
