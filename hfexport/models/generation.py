@@ -418,11 +418,11 @@ class EncoderOfPrompt(torch.nn.Module):
     into the text embeddings before the text encoder (Florence-2), ``get_encoder()`` alone takes
     the merged embeddings, which a decode loop fed with ids and pixels cannot make."""
 
+    INPUTS = ("input_ids", "attention_mask", "pixel_values")
+
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
-
-    INPUTS = ("input_ids", "attention_mask", "pixel_values")
 
     def forward(
         self,

@@ -216,7 +216,6 @@ class DynamoDecoder(StaticCacheDecoder):
         self.max_cache_len = self.cache_length([m.shape for m in masks], leaves)
         self.masks.check_cache_length(self.max_cache_len)
         self.module = program.module()
-        self.out_spec = program.call_spec.out_spec
 
     def _masks(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
         masks = self.masks.structured(valid, query_slots)
