@@ -285,28 +285,6 @@ def _canine_local_attention_as_a_block_mask(original: Callable) -> Callable:
     return forward
 
 
-@register_patch(
-    "transformers.models.canine.modeling_*:CanineModel._repeat_molecules",
-    name="canine_molecules_repeated_for_any_count",
-    reason=(
-        "CANINE repeats its molecules back to characters with repeat_interleave; a sample of up to 11 "
-        "characters has one molecule past the first, and that size of one is fixed by the repeat's "
-        "contiguity check (Eq((s41//4) - 1, 1)). Repeated with sizes of one treated as any size, as "
-        "torch.export's size-oblivious reasoning does"
-    ),
-    upstream="https://github.com/pytorch/pytorch/issues/146315",  # 0/1 specialization of dynamic sizes
-)
-def _canine_molecules_repeated_for_any_count(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def repeat_molecules(self: torch.nn.Module, molecules: torch.Tensor, char_seq_length: int) -> torch.Tensor:
-        from torch.fx.experimental import _config as shapes_config
-
-        with shapes_config.patch(backed_size_oblivious=True):
-            return original(self, molecules, char_seq_length)
-
-    return repeat_molecules
-
-
 def _sizes_of_one_as_any_size(original: Callable) -> Callable:
     """``original`` traced with sizes of one treated as any size (torch.export's size-oblivious
     reasoning), so a size that is one at the sample is not fixed by a contiguity check."""
@@ -319,6 +297,19 @@ def _sizes_of_one_as_any_size(original: Callable) -> Callable:
             return original(*args, **kwargs)
 
     return size_oblivious
+
+
+register_patch(
+    "transformers.models.canine.modeling_*:CanineModel._repeat_molecules",
+    name="canine_molecules_repeated_for_any_count",
+    reason=(
+        "CANINE repeats its molecules back to characters with repeat_interleave; a sample of up to 11 "
+        "characters has one molecule past the first, and that size of one is fixed by the repeat's "
+        "contiguity check (Eq((s41//4) - 1, 1)). Repeated with sizes of one treated as any size, as "
+        "torch.export's size-oblivious reasoning does"
+    ),
+    upstream="https://github.com/pytorch/pytorch/issues/146315",  # 0/1 specialization of dynamic sizes
+)(_sizes_of_one_as_any_size)
 
 
 for _compressor in ("DeepseekV4CSACompressor", "DeepseekV4Indexer"):
