@@ -76,6 +76,7 @@ class ComponentSpec:
     attention_windows: dict[str, int] = field(default_factory=dict)
     pipeline: str = ""
     shape_relations: list[dict[str, Any]] = field(default_factory=list)  # see hfexport.targets.shape_relations
+    shape_conditions: list[dict[str, Any]] = field(default_factory=list)  # named when the runtime fails
     dtype: str = ""
 
     @property
@@ -265,13 +266,15 @@ def captured_facts(captured: Captured | None) -> dict[str, Any]:
     """The :class:`ComponentSpec` fields that come from the capture."""
     if captured is None:
         return {}
-    from hfexport.targets.shape_relations import shape_relations
+    from hfexport.targets.shape_relations import shape_conditions, shape_relations
 
+    ranges = {(axis.input, axis.axis): (axis.min, axis.max) for axis in captured.input_axes if axis.dynamic}
     bounds = captured.bounds.counts() if captured.bounds else None
     return {
         "bounds": bounds,
         "attention_windows": dict(captured.attention_windows),
         "shape_relations": shape_relations(captured.program),
+        "shape_conditions": shape_conditions(captured.program, ranges),
         "dtype": program_dtype(captured.program),
     }
 

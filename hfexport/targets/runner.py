@@ -8,7 +8,9 @@ on a static axis, or a size outside a dynamic axis's exported range (below its m
 empty sequence, or above its maximum) is an :class:`~hfexport.HfExportError` naming the input and
 the axis, before the runtime sees it, as is a pair of axes that share one dimension of the program
 (``input_ids`` and ``attention_mask`` along the sequence) with different sizes, or sizes that break
-a relation torch.export recorded between them (:mod:`hfexport.targets.shape_relations`).
+a relation torch.export recorded between them (:mod:`hfexport.targets.shape_relations`). When the
+runtime itself fails, :meth:`Runner.runtime_failure` makes its error one line that names the
+inputs' shapes and, where one fails, the shape condition the program was traced with.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from hfexport.errors import HfExportError
 from hfexport.models.per_image import pieces_by_path
 from hfexport.pipeline.io_names import path_name
 from hfexport.targets.manifest import ComponentSpec, InputSpec
-from hfexport.targets.shape_relations import check_shape_relations
+from hfexport.targets.shape_relations import check_shape_relations, first_broken
 
 
 def flat_inputs(inputs: Any) -> dict[str, Any]:
@@ -102,6 +104,26 @@ class Runner:
         shapes = {spec.path: tuple(getattr(value, "shape", ())) for spec, value in ordered}
         check_shape_relations(self.spec.shape_relations, shapes)
         return ordered
+
+    def runtime_failure(self, runtime: str, detail: str, values: list[Any]) -> HfExportError:
+        """The error for ``runtime`` failing on ``values`` (the fed inputs, in the program's order)
+        with ``detail``: the shape condition of the trace they fail, if one does, else their shapes."""
+        shapes = {
+            spec.path: tuple(getattr(value, "shape", ())) for spec, value in zip(self.spec.fed, values, strict=False)
+        }
+        broken = first_broken(self.spec.shape_conditions, shapes)
+        if broken:
+            return HfExportError(
+                f"{runtime} failed running the program ({detail[:200]}): the inputs' shapes fail a condition the "
+                f"program was traced with, {broken}; the model's code fixed it from the export sample: give sizes "
+                "that hold it, or export again from a sample of these shapes"
+            )
+        listed = ", ".join(f"{spec.name} {shape}" for spec, shape in zip(self.spec.fed, shapes.values(), strict=False))
+        return HfExportError(
+            f"{runtime} failed running the program ({detail[:200]}) on inputs {listed}; they passed the checks "
+            "against the manifest, so the program may need other sizes than its sample's: export again from a "
+            "sample of this shape, or rerun with --debug"
+        )
 
 
 def check_input(spec: InputSpec, value: Any) -> None:

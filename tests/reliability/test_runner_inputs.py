@@ -91,3 +91,37 @@ def test_axes_exported_with_one_dim_must_agree(tmp_path):
     torch.testing.assert_close(
         torch.as_tensor(runner.run(inputs)[0]), model(**inputs).logits.detach(), atol=1e-4, rtol=0
     )
+
+
+class WholeWindows(torch.nn.Module):
+    """Adds each token's window of 4 (the windows' tokens repeated) to the tokens: the trace
+    conditions the sequence on being whole windows, a condition no axis range can state."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+
+    def forward(self, input_ids):
+        hidden = self.embed(input_ids)
+        batch, length, width = hidden.shape
+        windows = hidden[:, : 4 * (length // 4)].reshape(batch, length // 4, 4, width).mean(2)
+        return hidden + windows.repeat_interleave(4, dim=1)
+
+
+@pytest.mark.parametrize(
+    "config", [OnnxConfig(dynamic=True), ExecutorchConfig(dynamic=True)], ids=["onnx", "executorch"]
+)
+def test_a_runtime_failure_names_the_shape_condition_the_trace_fixed(tmp_path, config):
+    model = WholeWindows().eval()
+    sample = {"input_ids": torch.randint(0, 10, (2, 8))}
+    save_export(tmp_path, {"model": next(iter(run_targets(model, sample, [config]).values()))})
+    runner = ExportFolder(tmp_path).runner()
+    for length in (4, 12):  # whole windows run, and match eager
+        ids = torch.randint(0, 10, (2, length))
+        torch.testing.assert_close(torch.as_tensor(runner.run({"input_ids": ids})[0]), model(ids), atol=1e-5, rtol=0)
+    with pytest.raises(
+        HfExportError,
+        match=r"failed running the program \(.*\): the inputs' shapes fail a condition the program was traced "
+        r"with, .*input_ids\.shape\[1\].* does not hold for input_ids\.shape\[1\] = 6; ",
+    ):
+        runner.run({"input_ids": torch.randint(0, 10, (2, 6))})

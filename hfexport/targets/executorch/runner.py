@@ -151,15 +151,7 @@ class ExecutorchRunner(Runner):
                 return outputs
             return [_copied(value) if isinstance(value, torch.Tensor) else value for value in outputs]
         except RuntimeError as error:
-            shapes = ", ".join(
-                f"{spec.name} {tuple(getattr(value, 'shape', ()))}"
-                for spec, value in zip(self.spec.fed, values, strict=False)
-            )
-            raise HfExportError(
-                f"the ExecuTorch runtime failed running the program ({runtime_error_text(error)}) on inputs "
-                f"{shapes}; they passed the checks against the manifest, so the program may need other sizes "
-                "than its sample's: export again from a sample of this shape, or rerun with --debug"
-            ) from error
+            raise self.runtime_failure("the ExecuTorch runtime", runtime_error_text(error), values) from error
 
 
 def _spec_of(source: Any) -> ComponentSpec:

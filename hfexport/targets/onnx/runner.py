@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -111,9 +112,18 @@ class OnnxRunner(Runner):
             for spec, value in self.ordered(inputs)
         }
 
+    def session_run(self, feed: dict[str, Any]) -> list[Any]:
+        """``session.run`` with ONNX Runtime's failure as an :class:`~hfexport.HfExportError`."""
+        try:
+            return self.session.run(None, feed)
+        except Exception as error:
+            if not type(error).__module__.startswith("onnxruntime"):
+                raise
+            raise self.runtime_failure("ONNX Runtime", _runtime_error_text(error), list(feed.values())) from error
+
     def run(self, inputs: dict[str, Any], tensors_only: bool = False) -> list[Any]:
         """The outputs in the model's order (``tensors_only``: without symbolic-integer outputs)."""
-        outputs = self.session.run(None, self.feed(inputs))
+        outputs = self.session_run(self.feed(inputs))
         names = [o.name for o in self.session.get_outputs()]
         if tensors_only:
             outputs = [o for name, o in zip(names, outputs, strict=True) if name not in self.scalar_outputs]
@@ -121,7 +131,7 @@ class OnnxRunner(Runner):
 
     def run_named(self, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The outputs as tensors by keyword path (see :meth:`~hfexport.targets.runner.Runner.by_path`)."""
-        outputs = self.session.run(None, self.feed(inputs))
+        outputs = self.session_run(self.feed(inputs))
         order = [o.name for o in self.session.get_outputs()]
         by_name = {o.name: o for o in self.spec.returned}
         if [o.name for o in self.spec.returned] != order and set(order) == set(by_name):
@@ -131,7 +141,14 @@ class OnnxRunner(Runner):
     def run_dict(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The outputs by name."""
         names = [o.name for o in self.session.get_outputs()]
-        return dict(zip(names, self.session.run(None, self.feed(inputs)), strict=True))
+        return dict(zip(names, self.session_run(self.feed(inputs)), strict=True))
+
+
+def _runtime_error_text(error: BaseException) -> str:
+    """ONNX Runtime's message without its status prefix and the kernel's source location and check."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    return re.sub(r"/onnxruntime_src/\S+ .*? was false\. ", "", text)
 
 
 class OnnxDecoder(StaticCacheDecoder):
