@@ -99,9 +99,30 @@ def _size_guards(program: torch.export.ExportedProgram) -> list[tuple[str, dict[
             _evaluate(tree, dict.fromkeys(axes, 1))
         except (SyntaxError, ValueError, ArithmeticError):
             continue
-        if axes:
-            found.append((expr, axes, tree))
+        found.append((expr, axes, tree))
     return found
+
+
+def guards_hold(program: torch.export.ExportedProgram, shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Whether every guard of ``program`` is one hfexport reads and holds for ``shapes``
+    (``{path: shape}``); a guard over anything else (strides, values, another input) is False."""
+    guards = list(getattr(program, "_guards_code", None) or ())
+    readable = _size_guards(program)
+    if len(readable) != len(guards):
+        return False
+    for _, axes, tree in readable:
+        sizes = {}
+        for name, (path, axis) in axes.items():
+            shape = shapes.get(path)
+            if shape is None or axis >= len(shape):
+                return False
+            sizes[name] = int(shape[axis])
+        try:
+            if not _evaluate(tree, sizes):
+                return False
+        except (ValueError, ArithmeticError):
+            return False
+    return True
 
 
 def _fails_in_range(tree: ast.AST, bounds: tuple[int | None, int | None] | None) -> bool:
@@ -155,9 +176,10 @@ def first_broken(relations: list[dict[str, Any]], shapes: dict[str, tuple[int, .
 
 
 def _evaluate(node: ast.AST, sizes: dict[str, int]) -> Any:
-    """Integer arithmetic, comparisons and ``and``/``or`` over named sizes; anything else is a
-    ValueError (the expression comes from a file: nothing in it is executed)."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+    """Integer arithmetic (``min``, ``max``, small powers and ``torch.sym_float`` too), comparisons
+    and ``and``/``or`` over named sizes; anything else is a ValueError (the expression comes from a
+    file: nothing in it is executed)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         return node.value
     if isinstance(node, ast.Name) and node.id in sizes:
         return sizes[node.id]
@@ -165,6 +187,23 @@ def _evaluate(node: ast.AST, sizes: dict[str, int]) -> Any:
         return -_evaluate(node.operand, sizes)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         return _BINARY[type(node.op)](_evaluate(node.left, sizes), _evaluate(node.right, sizes))
+    if (
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Pow)
+        and isinstance(node.right, (ast.Constant, ast.UnaryOp))
+        and abs(exponent := _evaluate(node.right, sizes)) <= 4
+    ):
+        base = _evaluate(node.left, sizes)
+        if base <= 0:
+            raise ValueError("a power of a size that is not positive")
+        return base**exponent  # an attention scale, n ** -0.5
+    if (
+        isinstance(node, ast.Call)
+        and ast.unparse(node.func) == "torch.sym_float"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
+        return float(_evaluate(node.args[0], sizes))
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS and not node.keywords:
         return _CALLS[node.func.id](*(_evaluate(arg, sizes) for arg in node.args))
     if isinstance(node, ast.BoolOp):

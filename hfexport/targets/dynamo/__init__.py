@@ -123,6 +123,7 @@ class DynamoRunner(Runner):
 
     def __init__(self, program: torch.export.ExportedProgram, spec: ComponentSpec) -> None:
         super().__init__(spec)
+        self.program = program
         self.module = program.module()
         self.out_spec = program.call_spec.out_spec
         self.example_kwargs = program.example_inputs[1] if program.example_inputs else {}
@@ -136,18 +137,38 @@ class DynamoRunner(Runner):
 
     def _call(self, kwargs: dict[str, Any]) -> Any:
         """``module()(**kwargs)``; a shape condition the trace recorded that the inputs fail (a guard
-        the manifest's per-axis bounds cannot state: SEW's length arithmetic) is one line."""
+        the manifest's per-axis bounds cannot state: SEW's length arithmetic) is one line, unless
+        it is a batch of one that the program's other guards allow (see :meth:`_batch_of_one`)."""
         try:
             with torch.no_grad():
                 return self.module(**kwargs)
         except AssertionError as error:
             if not str(error).startswith("Guard failed"):
                 raise
+            if self._batch_of_one(kwargs):
+                with torch.no_grad():
+                    return self.program.module(check_guards=False)(**kwargs)
             condition = str(error).removeprefix("Guard failed:").strip()
             raise HfExportError(
                 f"the inputs' shapes fail a condition the program was traced with ({condition}): the model's "
                 "code fixed it from the sample; export with a sample of these shapes"
             ) from None
+
+    def _batch_of_one(self, kwargs: dict[str, Any]) -> bool:
+        """Whether the inputs are a batch of one that every guard of the program allows at a batch
+        of two. torch.export traces a batch axis as "not 0 or 1" (its range starts at 2) and the
+        runners take 1 there, as every runtime does; a guard derived from it (Florence-2's window
+        count, ``pixel_values.size()[0] * … != 1``) refuses the one row that generation feeds."""
+        from hfexport.targets.shape_relations import guards_hold
+
+        shapes = {path: tuple(getattr(value, "shape", ())) for path, value in flat_inputs(kwargs).items()}
+        widened = dict(shapes)
+        for spec in self.spec.fed:
+            shape = shapes.get(spec.path)
+            ones = [axis for axis, (low, _) in spec.dynamic.items() if low == 2 and shape and shape[axis] == 1]
+            if ones:
+                widened[spec.path] = tuple(2 if axis in ones else size for axis, size in enumerate(shape))
+        return widened != shapes and guards_hold(self.program, widened)
 
     def run_named(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """The outputs by keyword path (see :meth:`~hfexport.targets.runner.Runner.by_path`), from
