@@ -39,7 +39,7 @@ _BINARY = {
 }
 _CALLS = {"min": min, "max": max}
 # a one-axis guard is a condition when it fails for a size in the axis's range, probed this far
-_PROBED_SIZES = 512
+_PROBED_SIZES = 64
 _COMPARE = {
     ast.Eq: operator.eq,
     ast.NotEq: operator.ne,

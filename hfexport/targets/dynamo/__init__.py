@@ -125,6 +125,7 @@ class DynamoRunner(Runner):
         super().__init__(spec)
         self.program = program
         self.module = program.module()
+        self.unguarded: torch.nn.Module | None = None  # program.module(check_guards=False), made when needed
         self.out_spec = program.call_spec.out_spec
         self.example_kwargs = program.example_inputs[1] if program.example_inputs else {}
 
@@ -146,8 +147,10 @@ class DynamoRunner(Runner):
             if not str(error).startswith("Guard failed"):
                 raise
             if self._batch_of_one(kwargs):
+                if self.unguarded is None:
+                    self.unguarded = self.program.module(check_guards=False)
                 with torch.no_grad():
-                    return self.program.module(check_guards=False)(**kwargs)
+                    return self.unguarded(**kwargs)
             condition = str(error).removeprefix("Guard failed:").strip()
             raise HfExportError(
                 f"the inputs' shapes fail a condition the program was traced with ({condition}): the model's "
