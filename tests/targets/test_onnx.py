@@ -392,3 +392,19 @@ def test_a_scalar_minus_a_mask_exports_when_torch_onnx_decomposes_the_program(tm
     for inputs in (sample, other):
         got = torch.from_numpy(next(iter(runner.run_dict(inputs).values())))
         assert torch.equal(got, MaskedScores()(**inputs))
+
+
+def test_constant_int_outputs_are_left_out_of_the_graph(tmp_path):
+    # MaskFormer-Swin returns its stages' feature-map sizes as ints, fixed at export; torch.onnx
+    # left a None output out but failed on an int ("'int' object has no attribute 'name'")
+    class WithSizes(torch.nn.Module):
+        def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int], None]:
+            return pixels.mean(1), (4, 4), None
+
+    sample = {"pixels": torch.randn(2, 3, 4, 4)}
+    save_export(tmp_path, {"model": OnnxExporter().run(WithSizes(), sample, OnnxConfig(dynamic=True))})
+    runner = ExportFolder(tmp_path).runner()
+    other = {"pixels": torch.randn(3, 3, 4, 4)}
+    for inputs in (sample, other):
+        (got,) = runner.run(inputs)
+        torch.testing.assert_close(torch.as_tensor(got), inputs["pixels"].mean(1), atol=1e-6, rtol=0)

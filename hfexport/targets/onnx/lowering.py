@@ -16,6 +16,7 @@ import functools
 import operator
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -137,6 +138,30 @@ def _type_promotion_from_metadata(original: Any) -> Any:
             Promotion(module).run()
 
     return insert_type_promotion_nodes
+
+
+@register_patch(
+    "torch.onnx._internal.exporter._core:_handle_output_node",
+    name="onnx_constant_outputs_skipped",
+    reason=(
+        "torch.onnx leaves a None output out of the ONNX graph but fails on any other constant output "
+        "(\"'int' object has no attribute 'name'\": MaskFormer-Swin returns its stages' feature-map sizes, "
+        "fixed at export, as ints). Every constant output is left out, as onnx_component's manifest already "
+        "lists none of them"
+    ),
+    upstream="https://github.com/pytorch/pytorch/blob/v2.13.0/torch/onnx/_internal/exporter/_core.py",
+    scope="to_onnx",
+)
+def _constant_outputs_skipped(original: Any) -> Any:
+    @functools.wraps(original)
+    def handle_output_node(node: torch.fx.Node, *args: Any, **kwargs: Any) -> None:
+        outputs = node.args[0]
+        if isinstance(outputs, (list, tuple)) and any(not isinstance(o, torch.fx.Node) for o in outputs):
+            kept = tuple(o if isinstance(o, torch.fx.Node) else None for o in outputs)
+            node = SimpleNamespace(name=node.name, args=(kept,))
+        return original(node, *args, **kwargs)
+
+    return handle_output_node
 
 
 def _onnx_op_tables(registry: Any) -> tuple[set[Any], set[Any]]:
@@ -348,7 +373,10 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
     fed = [i.path for i in program_inputs(program, None) if i.constant is None and not i.none]
     with (
         _quiet_torch_onnx(),
-        patches_applied(["onnx_functional_without_retrace", "onnx_type_promotion_from_metadata"], scope=None),
+        patches_applied(
+            ["onnx_functional_without_retrace", "onnx_type_promotion_from_metadata", "onnx_constant_outputs_skipped"],
+            scope=None,
+        ),
     ):
         onnx_program = torch.onnx.export(
             program,
