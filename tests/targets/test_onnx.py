@@ -408,3 +408,24 @@ def test_constant_int_outputs_are_left_out_of_the_graph(tmp_path):
     for inputs in (sample, other):
         (got,) = runner.run(inputs)
         torch.testing.assert_close(torch.as_tensor(got), inputs["pixels"].mean(1), atol=1e-6, rtol=0)
+
+
+def test_the_optimizer_keeps_small_epsilons_and_drops_exact_no_ops(tmp_path):
+    # onnxscript's no-op rules matched constants within 1e-8 of 0: `sum + 1e-15` (a router's guard
+    # against dividing by zero) and `mean + 1e-8` (an RMS norm's epsilon) were dropped, and an
+    # all-zero row became NaN (MuseSpark: 1.52 away from eager, nothing said)
+    class SmallEpsilons(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            shifted = (x + 0) * 1  # exact no-ops: still removed
+            norm = shifted / (shifted.pow(2).mean(-1, keepdim=True) + 1e-8).sqrt()
+            return norm, x.abs() / (x.abs().sum(-1, keepdim=True) + 1e-15)
+
+    x = torch.randn(2, 3, 4)
+    x[0, 1] = 0
+    program = OnnxExporter().export(SmallEpsilons(), {"x": x}, OnnxConfig(dynamic=True))
+    ops = collections.Counter(node.op_type for node in program.model.graph)
+    assert ops["Add"] == 2 and ops["Mul"] == 0, ops
+    program.save(tmp_path / "model.onnx")
+    got = OnnxRunner(tmp_path / "model.onnx").run({"x": x})
+    for value, expected in zip(got, SmallEpsilons()(x), strict=True):
+        torch.testing.assert_close(torch.as_tensor(value), expected, atol=1e-5, rtol=0)
