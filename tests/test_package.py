@@ -163,7 +163,7 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
     from hfexport.presets import PRESETS, sample_inputs
 
     scopes = {patch.scope for patch in PATCHES.values()}
-    assert scopes == {"capture", "generate", "to_onnx", "to_edge"}
+    assert scopes == {"capture", "generate", "to_onnx", "onnx_passes", "to_edge"}
     before = _patched_state()
     assert {name for name, _, _ in before} == set(PATCHES)  # every patch has at least one target here
     seen: dict = {}
@@ -201,6 +201,18 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
             OnnxExporter().export(model, sample_inputs(model))
     assert _patched_state() == before
 
+    import onnxscript.optimizer
+
+    def failing_folding(*args, **kwargs):
+        seen["onnx_passes"] = _patched_state()
+        raise RuntimeError("folding failed on purpose")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(onnxscript.optimizer, "fold_constants", failing_folding)
+        with pytest.raises(HfExportError, match="folding failed on purpose"):
+            OnnxExporter().export(model, sample_inputs(model))
+    assert _patched_state() == before
+
     def failing_edge(*args, **kwargs):
         seen["to_edge"] = _patched_state()
         raise RuntimeError("edge conversion failed on purpose")
@@ -210,7 +222,7 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
         with pytest.raises(HfExportError, match="edge conversion failed on purpose"):
             ExecutorchExporter().export(model, sample_inputs(model))
     assert _patched_state() == before
-    assert set(seen) == {"capture", "generate", "to_onnx", "to_edge"}
+    assert set(seen) == {"capture", "generate", "to_onnx", "onnx_passes", "to_edge"}
     # inside each scope, exactly that scope's patches were on (an attribute two scopes patch, such as
     # get_vision_position_ids, changes in both)
     for scope, state in seen.items():

@@ -3,9 +3,11 @@ onnxscript is imported when a pass runs, so registering these needs no ONNX pack
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from hfexport.pipeline.pass_manager import PassResult, register_pass
+from hfexport.pipeline.patches import patches_applied, register_patch
 
 # ONNX Runtime's contrib operators (MatMulNBits, GroupQueryAttention, RotaryEmbedding, …)
 MS_DOMAIN = "com.microsoft"
@@ -15,6 +17,39 @@ def _node_count(program: Any) -> int:
     import onnx_ir as ir
 
     return sum(1 for _ in ir.traversal.RecursiveGraphIterator(program.model.graph))
+
+
+@register_patch(
+    "onnxscript.optimizer._constant_folding:PartialEvaluatorRegistry.lookup_evaluators",
+    name="onnx_split_to_sequence_of_unknown_split",
+    reason=(
+        "onnxscript's constant folding of SplitToSequence reads the split's value when its shape is a "
+        "scalar's, and fails when that value is unknown (a size computed at run time: ProphetNet's "
+        "torch.chunk of its n-gram streams) with \"'NoneType' object has no attribute 'ndim'\", which "
+        "stops the whole optimizer. Such a node is left unfolded"
+    ),
+    upstream="https://github.com/microsoft/onnxscript/blob/v0.7.2/onnxscript/optimizer/_constant_folding.py",
+    scope="onnx_passes",
+)
+def _split_to_sequence_of_unknown_split(original: Any) -> Any:
+    def unless_split_unknown(evaluator: Any) -> Any:
+        @functools.wraps(evaluator)
+        def evaluate(node: Any, *args: Any, **kwargs: Any) -> Any:
+            split = node.inputs[1] if len(node.inputs) > 1 else None
+            if split is not None and split.const_value is None and split.shape is not None and split.shape.rank() == 0:
+                return None
+            return evaluator(node, *args, **kwargs)
+
+        return evaluate
+
+    @functools.wraps(original)
+    def lookup_evaluators(self: Any, domain: str, opname: str, version: int) -> list[Any]:
+        found = original(self, domain, opname, version)
+        if (domain, opname) != ("", "SplitToSequence"):
+            return found
+        return [unless_split_unknown(evaluator) for evaluator in found]
+
+    return lookup_evaluators
 
 
 @register_pass(name="onnx_optimizer", stage="onnx_passes")
@@ -28,7 +63,8 @@ def onnx_optimizer(program: Any) -> PassResult:
     before = _node_count(program)
     model = program.model
     optimizer.inline(model)
-    optimizer.fold_constants(model, onnx_shape_inference=True)
+    with patches_applied(["onnx_split_to_sequence_of_unknown_split"], scope=None):
+        optimizer.fold_constants(model, onnx_shape_inference=True)
     # One round of folding and rewrite rules: a second round took half the pass's time on
     # SmolLM2-135M (26 s against 14 s) for 6 nodes fewer out of 2,690. SlicesSplit (two Slices
     # of one input as a Split) is a two-output pattern, which onnxscript matches by trying the

@@ -36,7 +36,7 @@ from typing import Any
 from hfexport.errors import ConfigError
 
 _MISSING = object()
-SCOPES = ("capture", "generate", "to_onnx", "to_edge")
+SCOPES = ("capture", "generate", "to_onnx", "onnx_passes", "to_edge")
 EXPORT_LOCK = threading.RLock()
 
 

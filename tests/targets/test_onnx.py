@@ -429,3 +429,20 @@ def test_the_optimizer_keeps_small_epsilons_and_drops_exact_no_ops(tmp_path):
     got = OnnxRunner(tmp_path / "model.onnx").run({"x": x})
     for value, expected in zip(got, SmallEpsilons()(x), strict=True):
         torch.testing.assert_close(torch.as_tensor(value), expected, atol=1e-5, rtol=0)
+
+
+def test_a_split_by_a_size_known_at_run_time_survives_the_optimizer(tmp_path):
+    # ProphetNet splits its n-gram streams by the sequence length: a SplitToSequence whose split is
+    # a scalar computed at run time, which onnxscript's constant folding failed on ("'NoneType'
+    # object has no attribute 'ndim'"), stopping the optimizer and the export
+    class Streams(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            streams = torch.cat([x, 2 * x, 3 * x], dim=1).split(x.shape[1], dim=1)
+            return streams[0] + streams[1] * streams[2]
+
+    sample = {"x": torch.randn(2, 5, 4)}
+    OnnxExporter().export(Streams(), sample, OnnxConfig(dynamic=True)).save(tmp_path / "model.onnx")
+    runner = OnnxRunner(tmp_path / "model.onnx")
+    for inputs in (sample, {"x": torch.randn(3, 7, 4)}):
+        (got,) = runner.run(inputs)
+        torch.testing.assert_close(torch.as_tensor(got), Streams()(**inputs), atol=1e-5, rtol=0)
