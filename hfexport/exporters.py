@@ -25,6 +25,7 @@ from hfexport.pipeline.pass_manager import PassManager, resolve_passes
 from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult, Stage
 from hfexport.precision import group_by_dtype, in_dtype, resolve_dtype
 from hfexport.targets import Target, get_target
+from hfexport.targets.executorch.passes.edge import DEFAULT_EDGE_PASSES
 from hfexport.versions import warn_on_version_drift
 
 FX_PASSES = "fx_passes"
@@ -431,6 +432,7 @@ class ExecutorchExporter(HfExporter):
         "empty_of_symbolic_size_to_zeros",
         "explicit_contiguous_copies",
         "dead_code_elimination",
+        *DEFAULT_EDGE_PASSES,
     )
 
     def pass_list(self, config: ExecutorchConfig) -> list[Any]:

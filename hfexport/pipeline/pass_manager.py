@@ -216,6 +216,9 @@ def signature_of(program: Any) -> tuple[list[str], Any] | None:
     of an ``ExportedProgram``, the input and output names of an ONNX program (its runner binds
     by name); ``None`` for other program types. Weights may change (a quantization pass replaces
     them); the signature may not."""
+    exported = getattr(program, "exported_program", None)
+    if callable(exported):  # a manager of one exported program (ExecuTorch's edge program)
+        program = exported()
     graph = getattr(program, "graph", None)
     if graph is not None and hasattr(program, "graph_signature"):
         output = next(n for n in reversed(graph.nodes) if n.op == "output")

@@ -29,15 +29,16 @@ class ExecutorchTarget(Target):
     def stages(self, config: Any) -> list[Any]:
         from hfexport.pipeline.pipeline import TransformStage
         from hfexport.targets.executorch import lowering
+        from hfexport.targets.executorch.passes.edge import EDGE_PASSES
+        from hfexport.targets.executorch.program_state import program_state
 
         partitioners = lowering.partitioners(config.backend)
+        stages: list[Any] = [TransformStage("to_edge", lambda program, run: lowering.to_edge(program, partitioners))]
+        if config.cache_in_program and config.alloc_graph_input:
+            stages.append(TransformStage("program_state", program_state))
         return [
-            TransformStage(
-                "to_edge",
-                lambda program, run: lowering.to_edge(
-                    program, partitioners, run.inputs if config.cache_in_program and config.alloc_graph_input else None
-                ),
-            ),
+            *stages,
+            EDGE_PASSES,
             TransformStage("delegate", lambda edge, run: lowering.delegate(edge, partitioners, run)),
             TransformStage("to_executorch", lambda edge, run: lowering.to_executorch(edge, config, run)),
         ]
