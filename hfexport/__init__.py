@@ -4,7 +4,10 @@ capture (torch.export) → named FX passes → lowering (torch.export / ONNX / E
 every stage can dump its graph, be timed and be checked against eager PyTorch.
 """
 
-import hfexport.passes  # noqa: F401  (registers the built-in passes)
+# registers the built-in passes: the target-neutral ones, then each target's own
+import hfexport.passes
+import hfexport.targets.executorch.passes
+import hfexport.targets.onnx.passes  # noqa: F401
 from hfexport.auto import AutoExportConfig, AutoHfExporter
 from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig
 from hfexport.errors import (

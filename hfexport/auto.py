@@ -27,4 +27,6 @@ class AutoHfExporter:
 
     @staticmethod
     def from_config(config: DynamoConfig) -> Any:
-        return Target.load_class(get_target(getattr(config, "export_format", None)).exporter_class)()
+        from hfexport.exporters import exporter_for
+
+        return exporter_for(getattr(config, "export_format", None))

@@ -267,10 +267,27 @@ def _generate(args: argparse.Namespace) -> int:
 def _passes(args: argparse.Namespace) -> int:
     from hfexport.pipeline.pass_manager import registered_passes
 
-    passes = registered_passes()
-    width = max(map(len, passes))
-    for name, pass_ in passes.items():
-        print(f"{name:<{width}}  [{pass_.stage}]  {pass_.description}")
+    if args.format is None:
+        passes = registered_passes()
+        width = max(map(len, passes))
+        for name, pass_ in passes.items():
+            print(f"{name:<{width}}  [{pass_.stage}]  {pass_.description}")
+        return 0
+    from hfexport.auto import AutoHfExporter
+    from hfexport.pipeline.pipeline import PassStage
+    from hfexport.targets import Target, get_target
+
+    config = Target.load_class(get_target(args.format).config_class)()
+    pipeline = AutoHfExporter.from_config(config).build_pipeline(config)
+    print(f"{args.format}: {' → '.join(stage.name for stage in pipeline.stages)}  (default config)")
+    for stage in pipeline.stages:
+        if not isinstance(stage, PassStage):
+            print(f"{stage.name}")
+            continue
+        print(f"{stage.name}:")
+        width = max((len(name) for name in stage.manager.names), default=0)
+        for index, pass_ in enumerate(stage.manager.passes):
+            print(f"  {index:2d}. {pass_.name:<{width}}  {pass_.description}")
     return 0
 
 
@@ -452,7 +469,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--trust-artifact", action="store_true", help=TRUST_HELP)
     generate.set_defaults(run=_generate)
 
-    passes = commands.add_parser("passes", help="list the registered passes")
+    passes = commands.add_parser("passes", help="list the registered passes, or a target's stages and default passes")
+    passes.add_argument(
+        "--format",
+        help="list this target's stages in order, each pass stage with its default passes (a config's passes)",
+    )
     passes.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE", help=IMPORT_HELP)
     passes.set_defaults(run=_passes)
 

@@ -16,48 +16,60 @@ from typing import Any, ClassVar
 
 import torch
 
-from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig, _encode_dim
+from hfexport.configs import DynamoConfig, _encode_dim
 from hfexport.errors import ConfigError, HfExportError
 from hfexport.models import TRANSFORMERS
 from hfexport.pipeline.capture import AxisBounds, Captured
 from hfexport.pipeline.instruments import Instrument, TimingInstrument
 from hfexport.pipeline.pass_manager import PassManager, resolve_passes
-from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult, Stage
+from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult
 from hfexport.precision import group_by_dtype, in_dtype, resolve_dtype
 from hfexport.targets import Target, get_target
-from hfexport.targets.executorch.passes.edge import DEFAULT_EDGE_PASSES
 from hfexport.versions import warn_on_version_drift
 
 FX_PASSES = "fx_passes"
 logger = logging.getLogger("hfexport")
 
 
-class HfExporter:
-    """Base of the exporters.
+EXPORTERS: dict[str, type[HfExporter]] = {}  # export_format -> the HfExporter subclass naming it
 
-    A subclass sets ``export_format`` (the name of a registered :class:`~hfexport.targets.Target`,
-    which supplies the stages after the FX passes), ``config_class`` and ``default_passes`` (pass
-    names of any of its pass stages, in order).
-    """
+
+def exporter_for(export_format: str) -> HfExporter:
+    """The exporter of the registered target ``export_format``: the subclass naming it
+    (:class:`OnnxExporter` for ``"onnx"``), else an :class:`HfExporter` over it."""
+    get_target(export_format)  # an unknown name: ConfigError listing the registered ones
+    exporter = EXPORTERS.get(export_format)
+    return exporter() if exporter is not None else HfExporter(export_format)
+
+
+class HfExporter:
+    """The exporters' facade over a registered :class:`~hfexport.targets.Target`: capture → the
+    target's pass stages and lowering stages. A subclass names its target in ``export_format``;
+    ``HfExporter("name")`` is the exporter of any registered target."""
 
     export_format: ClassVar[str]
-    config_class: ClassVar[type[DynamoConfig]]
-    default_passes: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "export_format" in cls.__dict__:
+            EXPORTERS[cls.export_format] = cls
+
+    def __init__(self, export_format: str | None = None) -> None:
+        if export_format is not None:
+            self.export_format = export_format
         warn_on_version_drift()
 
     @property
     def target(self) -> Target:
         return get_target(self.export_format)
 
-    def lowering_stages(self, config: Any) -> list[Stage | str]:
-        """The stages after the FX passes: the target's."""
-        return self.target.stages(config)
+    @property
+    def config_class(self) -> type[DynamoConfig]:
+        return Target.load_class(self.target.config_class)
 
     def pass_list(self, config: Any) -> list[Any]:
-        """The configured pass list: ``config.passes`` or the default list."""
-        return list(self.default_passes) if config.passes is None else list(config.passes)
+        """The configured pass list, every pass stage's: ``config.passes`` or the target's defaults."""
+        return self.target.pass_list(config)
 
     def _check_config(self, config: Any) -> Any:
         if config is None:
@@ -75,7 +87,7 @@ class HfExporter:
         instruments the config asks for. Edit its ``passes`` and call :meth:`Pipeline.run` to run
         a custom pass list."""
         config = self._check_config(config)
-        layout = [FX_PASSES, *self.lowering_stages(config)]
+        layout = [FX_PASSES, *self.target.stages(config)]
         stage_names = [s for s in layout if isinstance(s, str)]
         by_stage: dict[str, list[Any]] = {name: [] for name in stage_names}
         for pass_ in resolve_passes(self.pass_list(config)):
@@ -277,19 +289,14 @@ def run_for_generation(
                 )
             config = copy.deepcopy(config[name] if isinstance(config, dict) else config)
             cache_len = getattr(generation_config, "max_cache_len", None)
-            if (
-                cache_len
-                and (carries_state or name == "decode")
-                and "encoder_outputs" not in kwargs
-                and getattr(config, "max_seq_len", 0) is None
-            ):
-                # a component writing a static cache never sees more tokens than it holds (nor
-                # does a decode without a cache, which takes the whole sequence); an
-                # encoder-decoder's decoder also takes the encoder's states and mask, as long as
-                # the input (audio frames, a long text), so it keeps the target's default bound
-                config.max_seq_len = cache_len
-            if carries_state and _batch_of_one(config):
-                config.max_batch_size = 1
+            # a component writing a static cache never sees more tokens than it holds (nor does a
+            # decode without a cache, which takes the whole sequence); an encoder-decoder's decoder
+            # also takes the encoder's states and mask, as long as the input (audio frames, a long
+            # text), so it keeps the target's default bound
+            bounded = (carries_state or name == "decode") and "encoder_outputs" not in kwargs
+            config = get_target(config.export_format).generation_config(
+                config, longest=cache_len if bounded else None, carries_state=carries_state
+            )
             if config.dump_dir:
                 config.dump_dir = str(Path(config.dump_dir) / name)
             component_configs.append(config)
@@ -337,11 +344,11 @@ def _takes_several_tokens(kwargs: dict[str, Any]) -> bool:
 
 
 def _batch_of_one(config: Any) -> bool:
-    """Whether ``config`` (or one of its per-component configs) is an ExecuTorch config whose
-    ``max_batch_size`` is left to its default, which a generation component makes 1."""
+    """Whether ``config`` (or one of its per-component configs) exports a generation loop for one
+    sequence at a time (its target says: ExecuTorch's, with ``max_batch_size`` left to its default)."""
     if isinstance(config, dict):
         return any(_batch_of_one(c) for c in config.values())
-    return isinstance(config, ExecutorchConfig) and config.max_batch_size is None
+    return get_target(config.export_format).batch_of_one(config)
 
 
 def _first_row(inputs: Any) -> Any:
@@ -357,22 +364,10 @@ def _first_row(inputs: Any) -> Any:
     return {**inputs, **{name: v[:1] for name, v in tensors.items()}}
 
 
-CLEANUP_PASSES = (
-    "remove_tensor_metadata_asserts",
-    "remove_noop_conversions",
-    "remove_noop_squeezes",
-    "mark_cache_mutations",
-)
-# what OnnxConfig(optimize=False) leaves out of the default list
-ONNX_OPTIMIZATIONS = ("onnx_optimizer", "onnx_ort_fusions", "onnx_group_query_attention")
-
-
 class DynamoExporter(HfExporter):
     """Export to a ``torch.export`` ``ExportedProgram``: ``exported.module()(**inputs)`` runs it."""
 
     export_format = "dynamo"
-    config_class = DynamoConfig
-    default_passes = (*CLEANUP_PASSES, "dead_code_elimination")
 
 
 class OnnxExporter(HfExporter):
@@ -380,33 +375,6 @@ class OnnxExporter(HfExporter):
     Runtime fed with the model's keyword inputs by name."""
 
     export_format = "onnx"
-    config_class = OnnxConfig
-    default_passes = (
-        *CLEANUP_PASSES,
-        "complex_as_real",
-        "cache_writes_as_scatter",
-        "grouped_mm_to_batched_mm",
-        "whole_input_convolutions_as_linear",
-        "grouped_query_attention",
-        "attention_as_matmuls",
-        "explicit_contiguous_copies",
-        "zero_fully_masked_attention_rows",
-        "dead_code_elimination",
-        "onnx_optimizer",
-        "onnx_ort_fusions",
-        "onnx_group_query_attention",
-    )
-
-    def pass_list(self, config: OnnxConfig) -> list[Any]:
-        from hfexport.passes.quantize import onnx_quantization_pass
-
-        passes = super().pass_list(config)
-        if config.passes is None and not config.optimize:
-            passes = [p for p in passes if p not in ONNX_OPTIMIZATIONS]
-        quantization = onnx_quantization_pass(config.quantize, config.quantize_group_size) if config.quantize else None
-        if quantization is not None and quantization.name not in {getattr(p, "name", p) for p in passes}:
-            passes.append(quantization)
-        return passes
 
 
 class ExecutorchExporter(HfExporter):
@@ -414,35 +382,3 @@ class ExecutorchExporter(HfExporter):
     ``.save("model.pte")``, then run it with ``executorch.runtime``."""
 
     export_format = "executorch"
-    config_class = ExecutorchConfig
-    default_passes = (
-        *CLEANUP_PASSES,
-        "complex_as_real",
-        "grouped_mm_to_batched_mm",
-        "whole_input_convolutions_as_linear",
-        "dynamic_conv1d_as_conv2d",
-        "attention_as_custom_sdpa",
-        "grouped_query_attention",
-        "attention_as_matmuls",
-        "last_axis_mean_as_linear",
-        "rotate_half_as_linear",
-        "histc_to_comparisons",
-        "sort_to_topk",
-        "empty_like_to_zeros_like",
-        "empty_of_symbolic_size_to_zeros",
-        "explicit_contiguous_copies",
-        "dead_code_elimination",
-        *DEFAULT_EDGE_PASSES,
-    )
-
-    def pass_list(self, config: ExecutorchConfig) -> list[Any]:
-        from hfexport.passes.quantize import executorch_quantization_pass
-
-        passes = super().pass_list(config)
-        if config.passes is None and config.backend == "cuda":
-            passes = [p for p in passes if p != "attention_as_custom_sdpa"]  # a CPU kernel
-        if config.quantize:
-            quantization = executorch_quantization_pass(config.quantize, config.quantize_group_size)
-            if quantization.name not in {getattr(p, "name", p) for p in passes}:
-                passes.append(quantization)
-        return passes

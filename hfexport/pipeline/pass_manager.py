@@ -67,7 +67,7 @@ class FunctionPass(Pass):
     ) -> None:
         self.fn = fn
         self.name = name
-        self.description = description or (inspect.getdoc(fn) or "").split("\n")[0]
+        self.description = description or " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
         self.stage = stage
         self.runs_after = tuple(runs_after)
         self.runs_before = tuple(runs_before)

@@ -26,19 +26,37 @@ from hfexport.targets.manifest import MANIFEST, ComponentSpec, Manifest
 class Target:
     """A target: subclass it, set the class attributes, and register it with :func:`register_target`.
 
-    ``config_class`` and ``exporter_class`` are ``"module:Class"`` paths (or the classes), the
-    config being a :class:`~hfexport.DynamoConfig` subclass whose ``export_format`` is ``name``.
+    ``config_class`` is a ``"module:Class"`` path (or the class): a :class:`~hfexport.DynamoConfig`
+    subclass whose ``export_format`` is ``name``. ``default_passes`` names the passes of every pass
+    stage, in order (each pass's ``stage`` says which one it runs in); a target keeps them in its
+    own ``passes`` package, beside the passes only it uses.
     """
 
     name: ClassVar[str]
     suffix: ClassVar[str]  # the artifact's file suffix, e.g. ".onnx"
     config_class: ClassVar[Any]
-    exporter_class: ClassVar[Any]
+    default_passes: ClassVar[tuple[str, ...]] = ()
     # the floating-point dtypes the target's runtime runs a program in (a config's dtype="auto"
     # converts a model of another dtype to float32; an explicit other dtype is refused), and that
     # runtime's name for those messages
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
     runtime: ClassVar[str] = "the target's runtime"
+
+    def pass_list(self, config: Any) -> list[Any]:
+        """The passes an export with ``config`` runs: ``config.passes``, or :attr:`default_passes`."""
+        return list(self.default_passes) if config.passes is None else list(config.passes)
+
+    def generation_config(self, config: Any, *, longest: int | None, carries_state: bool) -> Any:
+        """The config one component of a generation export runs with (``config``, a copy the
+        caller owns, changed in place or not). ``longest``: the most tokens the component ever
+        sees at once (a static cache's length; ``None``: no such bound), ``carries_state``: whether
+        it carries a cache or a recurrent state from step to step."""
+        return config
+
+    def batch_of_one(self, config: Any) -> bool:
+        """Whether a generation export with ``config`` takes one sequence at a time (its sample
+        is then cut to its first row before the generation loop is decomposed)."""
+        return False
 
     def stages(self, config: Any) -> list[Any]:
         """The stages after the FX passes: :class:`~hfexport.pipeline.pipeline.Stage` objects, and

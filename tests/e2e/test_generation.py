@@ -678,7 +678,8 @@ def test_sliding_window_that_never_fills_exports_with_the_default_dynamic_cache(
 
 def test_export_for_generation_runs_the_exporter_it_is_called_on():
     class OnlyDeadCodeElimination(DynamoExporter):
-        default_passes = ("dead_code_elimination",)
+        def pass_list(self, config):
+            return ["dead_code_elimination"]
 
     model = build("tiny-llama")
     programs = OnlyDeadCodeElimination().export_for_generation(

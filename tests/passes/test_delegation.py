@@ -33,7 +33,7 @@ def test_rms_norms_go_to_xnnpack_and_the_model_still_matches_eager():
     model = build("tiny-llama")
     inputs = sample_inputs(model)
     program = DynamoExporter().export(
-        model, inputs, DynamoConfig(passes=[*DynamoExporter.default_passes, "last_axis_mean_as_linear"])
+        model, inputs, DynamoConfig(passes=[*DynamoExporter().target.default_passes, "last_axis_mean_as_linear"])
     )
     assert count(program, aten.mean.dim) == 0  # 2 layers x 2 norms + the final norm, all rewritten
     result = ExecutorchExporter().run(model, inputs, ExecutorchConfig())

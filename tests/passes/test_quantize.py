@@ -98,7 +98,7 @@ def test_int4_blocks_hold_weights_already_on_a_4bit_lattice_exactly(minimums, er
     # a GGUF Q4_1 checkpoint: float minimums hold it as it is, where ONNX Runtime's own blocks
     # round each minimum to an integer zero point (SmolLM2's teacher-forced top-1: 81% → 95%)
     from hfexport.exporters import OnnxExporter as Exporter
-    from hfexport.passes.quantize import OnnxInt4Weights
+    from hfexport.targets.onnx.passes.quantize import OnnxInt4Weights
 
     model = build("tiny-llama")
     with torch.no_grad():
@@ -108,7 +108,7 @@ def test_int4_blocks_hold_weights_already_on_a_4bit_lattice_exactly(minimums, er
     # fp32 compute (accuracy level 1) and every weight in 4 bits: the weights' error alone
     quantize = OnnxInt4Weights(accuracy_level=1, minimums=minimums, int8_output=False)
     inputs = sample_inputs(model)
-    result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter.default_passes, quantize]))
+    result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter().target.default_passes, quantize]))
     save_export(tmp_path, {"model": result})
     logits = torch.as_tensor(ExportFolder(tmp_path).runner().run(inputs)[0])
     error = float((logits - eager(model, inputs).logits).abs().max())
@@ -120,7 +120,7 @@ def test_a_tied_output_projection_goes_to_4_bits_with_its_top_logits_recomputed_
     # only error left is the output projection's symmetric 4 bits, which rescoring removes from
     # the top logits at each position
     from hfexport.exporters import OnnxExporter as Exporter
-    from hfexport.passes.quantize import OnnxInt4Weights
+    from hfexport.targets.onnx.passes.quantize import OnnxInt4Weights
 
     model = build("tiny-llama", tie_word_embeddings=True)
     with torch.no_grad():
@@ -132,7 +132,7 @@ def test_a_tied_output_projection_goes_to_4_bits_with_its_top_logits_recomputed_
     errors = {}
     for top in (8, 0):
         quantize = OnnxInt4Weights(accuracy_level=1, int8_output=False, rescore_top=top)
-        result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter.default_passes, quantize]))
+        result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter().target.default_passes, quantize]))
         (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
         ops = [node.op_type for node in result.program.model.graph]
         assert (ops.count("TopK"), ops.count("ScatterElements"), record.counts.get("rescored_outputs", 0)) == (
@@ -154,7 +154,10 @@ def test_8da4w_rescores_a_tied_output_projection_in_4_bits_and_leaves_the_other_
     inputs = sample_inputs(model, 3, 11, seed=3)
     logits = {}
     for top in (8, 0):
-        passes = [*DynamoExporter.default_passes, Int4WeightsInt8Activations(int8_output=False, rescore_top=top)]
+        passes = [
+            *DynamoExporter().target.default_passes,
+            Int4WeightsInt8Activations(int8_output=False, rescore_top=top),
+        ]
         program = DynamoExporter().export(model, sample_inputs(model), DynamoConfig(dynamic=True, passes=passes))
         targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
         assert (targets.count("aten.topk.default"), targets.count("aten.scatter.src")) == ((1, 1) if top else (0, 0))
@@ -174,7 +177,7 @@ def test_8da4w_with_minimums_adds_an_offset_per_weight_and_keeps_only_the_output
     from hfexport.passes.quantize import Int4WeightsInt8Activations
 
     model = build("tiny-llama")
-    passes = [*DynamoExporter.default_passes, Int4WeightsInt8Activations(minimums=True)]
+    passes = [*DynamoExporter().target.default_passes, Int4WeightsInt8Activations(minimums=True)]
     program = DynamoExporter().export(model, sample_inputs(model), DynamoConfig(dynamic=True, passes=passes))
     ops = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
     # a linear per 4-bit weight for its minimums, one per input the 4-bit weights read for its block sums
@@ -219,7 +222,7 @@ def test_a_quantization_that_breaks_the_logits_is_caught_by_cosine_similarity():
     from hfexport.exporters import OnnxExporter as Exporter
 
     model = build("tiny-llama")
-    passes = [*Exporter.default_passes, ZeroWeights()]
+    passes = [*Exporter().target.default_passes, ZeroWeights()]
     with pytest.raises(VerificationError, match=r"cosine similarity .* with eager PyTorch \(at least 0.98"):
         OnnxExporter().export(model, sample_inputs(model), OnnxConfig(verify=True, passes=passes))
 
@@ -230,7 +233,8 @@ def test_quantize_modes_and_group_sizes_are_checked_when_the_config_is_built():
     model = build("tiny-llama")
     with pytest.raises(ConfigError, match="group_size must be a power of two"):
         OnnxExporter().export(model, sample_inputs(model), OnnxConfig(quantize="int4", quantize_group_size=24))
-    from hfexport.passes.quantize import Int4WeightsInt8Activations, OnnxInt4Weights
+    from hfexport.passes.quantize import Int4WeightsInt8Activations
+    from hfexport.targets.onnx.passes.quantize import OnnxInt4Weights
 
     for quantization in (OnnxInt4Weights, Int4WeightsInt8Activations):
         with pytest.raises(ConfigError, match="rescore_top must be a whole number .* got -1"):
@@ -244,7 +248,7 @@ def test_int4_keeps_the_inputs_of_the_layers_nearest_the_logits_in_fp32(minimums
     # 4 layers x 7 4-bit weights: float_tail 1/4 is the last 7 in graph order, the last layer; a packed
     # group (q, k, v) counts whole once any of it is in
     from hfexport.exporters import OnnxExporter as Exporter
-    from hfexport.passes.quantize import OnnxInt4Weights
+    from hfexport.targets.onnx.passes.quantize import OnnxInt4Weights
 
     model = build("tiny-llama", num_hidden_layers=4)
     inputs = sample_inputs(model)
@@ -252,7 +256,7 @@ def test_int4_keeps_the_inputs_of_the_layers_nearest_the_logits_in_fp32(minimums
     for tail in (1 / 4, 1 / 8, 0):
         # the output projection: 8 bits; the attention projections' inputs int8 here, as the rest
         quantize = OnnxInt4Weights(minimums=minimums, float_tail=tail, float_attention=False)
-        result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter.default_passes, quantize]))
+        result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter().target.default_passes, quantize]))
         graph = result.program.model.graph
         nodes = [node for node in graph if node.op_type == "MatMulNBits" and node.attributes["bits"].as_int() == 4]
         levels[tail] = [node.attributes["accuracy_level"].as_int() for node in nodes]
@@ -270,14 +274,16 @@ def test_int4_keeps_the_attention_projections_inputs_in_fp32(minimums):
     # the linear layers torch.onnx records inside LlamaAttention (q, k, v, o) take fp32 inputs,
     # the MLP's int8; float_attention=False gives them int8 too
     from hfexport.exporters import OnnxExporter as Exporter
-    from hfexport.passes.quantize import OnnxInt4Weights
+    from hfexport.targets.onnx.passes.quantize import OnnxInt4Weights
 
     model = build("tiny-llama", num_hidden_layers=3)
     inputs = sample_inputs(model)
     per_weight = {}
     for attention in (True, False):
         quantize = OnnxInt4Weights(minimums=minimums, float_tail=0, float_attention=attention)
-        result = OnnxExporter().run(model, inputs, OnnxConfig(verify=True, passes=[*Exporter.default_passes, quantize]))
+        result = OnnxExporter().run(
+            model, inputs, OnnxConfig(verify=True, passes=[*Exporter().target.default_passes, quantize])
+        )
         graph = result.program.model.graph
         nodes = [node for node in graph if node.op_type == "MatMulNBits" and node.attributes["bits"].as_int() == 4]
         per_weight[attention] = [node.attributes["accuracy_level"].as_int() for node in nodes]
@@ -341,7 +347,7 @@ def test_torchao_quantization_pass_replaces_fp32_linear_weights(name, tied):
 
     # tied: the output projection shares the embedding table (SmolLM2), which stays fp32
     model = build("tiny-llama", tie_word_embeddings=tied)
-    passes = [*DynamoExporter.default_passes, name]
+    passes = [*DynamoExporter().target.default_passes, name]
     program = DynamoExporter().export(model, sample_inputs(model), DynamoConfig(dynamic=True, passes=passes))
     ops = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
     assert ops["torchao.choose_qparams_affine.default"] == LINEAR_LAYERS

@@ -42,13 +42,13 @@ def test_compose_pass_list_in_code_and_find_it_in_dumps(tmp_path):
     model = build("tiny-llama")
     config = DynamoConfig(dynamic=True, dump_dir=str(tmp_path))
     pipeline = DynamoExporter().build_pipeline(config)
-    assert pipeline.passes.names == list(DynamoExporter.default_passes)
+    assert pipeline.passes.names == list(DynamoExporter().target.default_passes)
     pipeline.passes.insert("dead_code_elimination", CountAdds())
     pipeline.passes.remove("remove_noop_conversions")
     result = pipeline.run(model, sample_inputs(model), config)
 
     names = [r.name for r in result.record("fx_passes").children]
-    expected = [p for p in DynamoExporter.default_passes if p != "remove_noop_conversions"]
+    expected = [p for p in DynamoExporter().target.default_passes if p != "remove_noop_conversions"]
     expected.insert(expected.index("dead_code_elimination"), "count_adds")
     assert names == expected and "count_adds" in names
     assert result.record("count_adds").counts["adds"] > 0

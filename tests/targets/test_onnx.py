@@ -96,7 +96,7 @@ def test_dropping_the_optimizer_by_name_changes_the_histogram(tmp_path):
     model = build("tiny-llama")
     inputs = sample_inputs(model)
     with_optimizer = OnnxExporter().run(model, inputs, OnnxConfig(dynamic=True, dump_dir=tmp_path / "a"))
-    passes = [p for p in OnnxExporter.default_passes if p != "onnx_optimizer"]
+    passes = [p for p in OnnxExporter().target.default_passes if p != "onnx_optimizer"]
     without = OnnxExporter().run(
         model, inputs, OnnxConfig(dynamic=True, dump_dir=tmp_path / "b", passes=passes, verify=True)
     )

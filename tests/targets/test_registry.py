@@ -19,8 +19,6 @@ class ToyConfig(DynamoConfig):
 
 class ToyExporter(HfExporter):
     export_format = "toy"
-    config_class = ToyConfig
-    default_passes = ("remove_tensor_metadata_asserts", "dead_code_elimination")
 
 
 class ToyTarget(Target):
@@ -29,7 +27,7 @@ class ToyTarget(Target):
     name = "toy"
     suffix = ".toy"
     config_class = ToyConfig
-    exporter_class = ToyExporter
+    default_passes = ("remove_tensor_metadata_asserts", "dead_code_elimination")
 
     def save(self, program, path: Path) -> None:
         path.write_text(str(program.graph))

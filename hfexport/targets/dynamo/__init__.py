@@ -14,6 +14,7 @@ import torch
 
 from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
+from hfexport.passes import CLEANUP_PASSES
 from hfexport.pipeline.artifacts import outputs_in_program_order
 from hfexport.pipeline.capture import Captured, copy_inputs
 from hfexport.targets import Target
@@ -269,7 +270,7 @@ class DynamoTarget(Target):
     name = "dynamo"
     suffix = ".pt2"
     config_class = "hfexport.configs:DynamoConfig"
-    exporter_class = "hfexport.exporters:DynamoExporter"
+    default_passes = (*CLEANUP_PASSES, "dead_code_elimination")
     runtime = "PyTorch"
 
     def save(self, program: torch.export.ExportedProgram, path: Path) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from hfexport.pipeline.capture import AxisBounds, Captured
 from hfexport.targets import Target
+from hfexport.targets.executorch import passes
 from hfexport.targets.executorch.runner import ExecutorchDecoder, ExecutorchRunner
 from hfexport.targets.manifest import ComponentSpec, Manifest
 
@@ -23,8 +24,24 @@ class ExecutorchTarget(Target):
     name = "executorch"
     suffix = ".pte"
     config_class = "hfexport.configs:ExecutorchConfig"
-    exporter_class = "hfexport.exporters:ExecutorchExporter"
+    default_passes = passes.DEFAULT_PASSES
     runtime = "the ExecuTorch runtime"
+
+    def pass_list(self, config: Any) -> list[Any]:
+        return passes.pass_list(config)
+
+    def generation_config(self, config: Any, *, longest: int | None, carries_state: bool) -> Any:
+        """Memory is planned for the largest shapes: a component's token axes are bounded by the
+        static cache's length (unless ``max_seq_len`` is given), and one that carries a state
+        takes one sequence (unless ``max_batch_size`` is given)."""
+        if longest and config.max_seq_len is None:
+            config.max_seq_len = longest
+        if carries_state and self.batch_of_one(config):
+            config.max_batch_size = 1
+        return config
+
+    def batch_of_one(self, config: Any) -> bool:
+        return config.max_batch_size is None
 
     def stages(self, config: Any) -> list[Any]:
         from hfexport.pipeline.pipeline import TransformStage

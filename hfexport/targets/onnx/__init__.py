@@ -10,6 +10,7 @@ from typing import Any
 from hfexport.pipeline.capture import Captured
 from hfexport.targets import Target
 from hfexport.targets.manifest import ComponentSpec, Manifest
+from hfexport.targets.onnx import passes
 from hfexport.targets.onnx.runner import OnnxDecoder, OnnxRunner
 
 
@@ -19,9 +20,12 @@ class OnnxTarget(Target):
     name = "onnx"
     suffix = ".onnx"
     config_class = "hfexport.configs:OnnxConfig"
-    exporter_class = "hfexport.exporters:OnnxExporter"
+    default_passes = passes.DEFAULT_PASSES
     dtypes = ("float32", "float16")  # ONNX Runtime's CPU kernels: none for bfloat16 (MatMul, RotaryEmbedding, …)
     runtime = "ONNX Runtime's CPU provider"
+
+    def pass_list(self, config: Any) -> list[Any]:
+        return passes.pass_list(config)
 
     def stages(self, config: Any) -> list[Any]:
         from hfexport.pipeline.pipeline import TransformStage

@@ -133,7 +133,7 @@ def onnx_ort_fusions(program: Any) -> PassResult:
     ``SkipSimplifiedLayerNormalization`` (onnxscript's ORT fusions). Each rotary embedding of a
     query or key (``x * cos + rotate_half(x) * sin``: two slices, a negation, a concatenation,
     two products and a sum) becomes one ``com.microsoft::RotaryEmbedding``
-    (:class:`~hfexport.passes.onnx_rotary.TokenAnglesRotary`; in a float16 graph too, whose cos and
+    (:class:`~hfexport.targets.onnx.passes.rotary.TokenAnglesRotary`; in a float16 graph too, whose cos and
     sin are cast from float32). The per-node cost is a large part
     of a quantized decode step: SmolLM2-135M's decode graph went from 2,690 to 1,605 nodes with
     the norms fused, and to 1,242 with the rotary embeddings. onnxscript's SDPA →
@@ -146,7 +146,7 @@ def onnx_ort_fusions(program: Any) -> PassResult:
     from onnxscript.rewriter.ort_fusions.rotary_embedding import fuse_rotary_embedding
     from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
-    from hfexport.passes.onnx_rotary import TokenAnglesRotary
+    from hfexport.targets.onnx.passes.rotary import TokenAnglesRotary
 
     model = program.model
     before = _node_count(program)

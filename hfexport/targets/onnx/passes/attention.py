@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hfexport.passes.onnx_graph import MS_DOMAIN
 from hfexport.pipeline.pass_manager import PassResult, register_pass
+from hfexport.targets.onnx.passes.graph import MS_DOMAIN
 
 
 @dataclass
