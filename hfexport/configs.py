@@ -94,7 +94,7 @@ class DynamoConfig:
             ``"passes"`` checks after every pass too and names the first pass over it.
         tolerance: max abs difference allowed by ``verify``; ``None`` is 1e-4 for a float32
             program and, for a float16 / bfloat16 one, a few units of its dtype's resolution at
-            each output's magnitude (see :class:`~hfexport.pipeline.instruments.NumericsInstrument`).
+            each output's magnitude (see :class:`~hfexport.pipeline.numerics.NumericsCheck`).
         dtype: the floating-point dtype of the program: ``"auto"`` (the model's own where the
             target's runtime runs it, else float32, said in one warning: a bfloat16 model for
             ONNX Runtime's CPU provider), ``"float32"``, ``"float16"`` or ``"bfloat16"``. The

@@ -85,8 +85,10 @@ class HfExporter:
         """The pipeline :meth:`export` runs: capture → FX passes → the target's stages, with the
         passes of ``config.passes`` (or the default list) split among the pass stages, and the
         instruments the config asks for. Edit its ``passes`` and call :meth:`Pipeline.run` to run
-        a custom pass list."""
-        config = self._check_config(config)
+        a custom pass list (the config it was built with is the one it runs with)."""
+        return self._pipeline(self._check_config(config), instruments)
+
+    def _pipeline(self, config: Any, instruments: tuple[Instrument, ...]) -> Pipeline:
         layout = [FX_PASSES, *self.target.stages(config)]
         stage_names = [s for s in layout if isinstance(s, str)]
         by_stage: dict[str, list[Any]] = {name: [] for name in stage_names}
@@ -113,7 +115,7 @@ class HfExporter:
         ``shared``: lower this capture (see :func:`run_targets`) instead of capturing again. A
         model in another dtype than ``config.dtype`` resolves to is exported as a converted copy."""
         config = self._check_config(config)
-        result = self.build_pipeline(config, tuple(instruments)).run(model, inputs, config, shared=shared)
+        result = self._pipeline(config, tuple(instruments)).run(model, inputs, shared=shared)
         result.target = self.export_format
         return result
 
@@ -206,8 +208,8 @@ def run_targets(
     for exporter, config in zip(exporters, configs, strict=True):
         needed = exporter.target.bounds(model, config)
         bounds = needed.tightest(bounds) if needed is not None else bounds
-    capture_only = Pipeline([], [TimingInstrument(), *instruments], TRANSFORMERS)
-    captured = capture_only.run(model, inputs, configs[0], bounds=bounds).captured
+    capture_only = Pipeline([], configs[0], [TimingInstrument(), *instruments], TRANSFORMERS)
+    captured = capture_only.run(model, inputs, bounds=bounds).captured
     captured = dataclasses.replace(captured, shared_by=tuple(formats))
     results = {}
     for fmt, exporter, config in zip(formats, exporters, configs, strict=True):

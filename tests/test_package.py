@@ -243,3 +243,61 @@ def test_readme_layout_matches_the_tree():
         assert (PACKAGE / name.rstrip("/")).exists(), f"README layout names {name}, which does not exist"
     for target in ("dynamo", "onnx", "executorch"):
         assert (PACKAGE / "targets" / target / "__init__.py").is_file() and f"{target}/" in block
+
+
+TARGET_FOLDERS = sorted(p.name for p in (PACKAGE / "targets").iterdir() if (p / "__init__.py").is_file())
+
+
+def _module_imports(folder: Path) -> dict[str, list[str]]:
+    return {str(path.relative_to(PACKAGE)): _imports(path) for path in sorted(folder.rglob("*.py"))}
+
+
+def test_the_pass_library_imports_no_target_and_no_backend():
+    offenders = {
+        f"{path}: {name}"
+        for path, names in _module_imports(PACKAGE / "passes").items()
+        for name in names
+        if name.startswith(("hfexport.targets", "hfexport.exporters")) or name.split(".")[0] in BACKENDS
+    }
+    assert offenders == set()
+
+
+def test_no_target_imports_another_target():
+    assert TARGET_FOLDERS == ["dynamo", "executorch", "onnx"]
+    offenders = {
+        f"{path}: {name}"
+        for target in TARGET_FOLDERS
+        for path, names in _module_imports(PACKAGE / "targets" / target).items()
+        for name in names
+        if any(name.startswith(f"hfexport.targets.{other}") for other in TARGET_FOLDERS if other != target)
+    }
+    assert offenders == set()
+
+
+def _home(pass_) -> str:
+    """The module a registered pass is defined in."""
+    rules = getattr(pass_, "rules", None)
+    implementation = rules[0].rewrite if rules else getattr(pass_, "fn", type(pass_))
+    return implementation.__module__
+
+
+def test_every_default_pass_is_registered_and_the_pass_library_serves_more_than_one_target():
+    from hfexport.pipeline.pass_manager import get_pass, registered_passes
+
+    defaults = {name: set(hfexport.get_target(name).default_passes) for name in TARGET_FOLDERS}
+    for target, names in defaults.items():
+        for name in names:
+            assert get_pass(name, missing_ok=True) is not None, (
+                f"{target}'s default list names {name!r}, not registered"
+            )
+    by_module: dict[str, set[str]] = {}
+    for name, pass_ in registered_passes().items():
+        by_module.setdefault(_home(pass_), set()).add(name)
+    library = {module for module in by_module if module.startswith("hfexport.passes.")}
+    assert len(library) >= 6, sorted(by_module)
+    for module in library:
+        users = sorted(target for target, names in defaults.items() if names & by_module[module])
+        assert len(users) != 1, f"{module} serves {users[0]} only: move it to hfexport/targets/{users[0]}/passes/"
+    for target in ("onnx", "executorch"):  # a target's own passes live in its folder
+        own = {module for module in by_module if module.startswith(f"hfexport.targets.{target}.passes")}
+        assert own and all(by_module[module] for module in own)

@@ -27,7 +27,7 @@ uses (an embedding tied to the output projection keeps its fp32 table).
 All report ``quantized_weights`` (the linear layers changed) and the weight bytes before and after; the
 numerics instrument checks a program after a pass that reports ``quantized_weights`` by logit
 cosine similarity and top-1 agreement instead of max abs difference (see
-:class:`~hfexport.pipeline.instruments.NumericsInstrument`).
+:class:`~hfexport.pipeline.numerics.NumericsCheck`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 from hfexport.errors import ConfigError
 from hfexport.passes.top_logits import TOP, rescore_fx
 from hfexport.pipeline.graph_edit import GraphEditor, add_constant, redirect_users, remove_unused_parameter
-from hfexport.pipeline.instruments import QUANTIZED_WEIGHTS
+from hfexport.pipeline.numerics import QUANTIZED_WEIGHTS
 from hfexport.pipeline.pass_manager import Pass, PassResult, register_pass
 from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
 

@@ -487,7 +487,7 @@ def capture(
     # a copy widened to two rows instead, and keep it only if it matches eager on the caller's rows
     widened = widen_batch(inputs) if config.dynamic and (bounds is None or bounds.batch > 1) else None
     program = _trace(model, widened, dynamic_shapes, config) if widened is not None else None
-    from hfexport.pipeline.instruments import default_tolerance
+    from hfexport.pipeline.numerics import default_tolerance
 
     expected = _eager_outputs(model, inputs)
     difference = _program_difference(program, inputs, expected) if program is not None else None
@@ -605,7 +605,7 @@ def _program_difference(
     ``None``; infinite, with why, when the program cannot run them (a guard of a widened trace that
     the caller's sample does not meet, other shapes or another count of outputs)."""
     from hfexport.pipeline.artifacts import outputs_in_program_order
-    from hfexport.pipeline.instruments import max_abs_diff
+    from hfexport.pipeline.numerics import max_abs_diff
 
     with torch.no_grad():
         try:
@@ -638,7 +638,7 @@ def _check_follows_eager(
     path under torch.export (AIMv2's text tower: 2.3 on its states), and every target would carry
     the wrong graph. Rounding is not flagged: the allowance is the dtype's tolerance plus 1e-3 of
     the outputs' largest magnitude."""
-    from hfexport.pipeline.instruments import default_tolerance
+    from hfexport.pipeline.numerics import default_tolerance
 
     difference, failure = difference
     if failure is not None:

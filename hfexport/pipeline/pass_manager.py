@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -129,13 +130,12 @@ def _is_builtin(pass_: Pass) -> bool:
 def defining_file(name: str) -> str | None:
     """The source file of the registered pass ``name`` when it is not hfexport's own (``None`` for
     a built-in or an unknown name): what ``hfexport replay --import`` must load to find it."""
-    import inspect
 
     pass_ = _REGISTRY.get(name)
     if pass_ is None or _is_builtin(pass_):
         return None
     try:
-        return inspect.getsourcefile(_implementation(pass_))
+        return inspect.getsourcefile(inspect.unwrap(_implementation(pass_)))
     except TypeError:
         return None
 
@@ -217,7 +217,7 @@ def signature_of(program: Any) -> tuple[list[str], Any] | None:
     by name); ``None`` for other program types. Weights may change (a quantization pass replaces
     them); the signature may not."""
     exported = getattr(program, "exported_program", None)
-    if callable(exported):  # a manager of one exported program (ExecuTorch's edge program)
+    if inspect.ismethod(exported):  # a manager of exported programs (ExecuTorch's edge program)
         program = exported()
     graph = getattr(program, "graph", None)
     if graph is not None and hasattr(program, "graph_signature"):
@@ -354,7 +354,7 @@ def graph_pass(
                     synced_output_specs(program)
             return PassResult(program, modified=bool(rewritten), counts={"rewritten": rewritten})
 
-        run.__doc__ = fn.__doc__
+        functools.update_wrapper(run, fn)  # its module and source are fn's (a user pass stays the user's)
         return register_pass(run, name=name or fn.__name__, runs_after=runs_after, runs_before=runs_before)
 
     return wrap

@@ -11,13 +11,8 @@ import torch
 
 from hfexport.errors import HfExportError, StageError
 from hfexport.pipeline.capture import AxisBounds, Captured, Frontend, InputAxis, capture
-from hfexport.pipeline.instruments import (
-    DumpInstrument,
-    Instrument,
-    NumericsInstrument,
-    StepRecord,
-    TimingInstrument,
-)
+from hfexport.pipeline.instruments import DumpInstrument, Instrument, StepRecord, TimingInstrument
+from hfexport.pipeline.numerics import NumericsCheck
 from hfexport.pipeline.pass_manager import PassManager, PassResult, execute_pass, own_weights
 from hfexport.pipeline.patches import EXPORT_LOCK
 
@@ -77,7 +72,6 @@ class PassStage(Stage):
         self.manager = manager
 
     def run(self, program: Any, run: PipelineRun) -> Any:
-        self.manager.check()
         done: list[str] = []
         for index, pass_ in enumerate(self.manager.passes):
             step = StepRecord(pass_.name, "pass", index, parent=run.current)
@@ -108,6 +102,7 @@ class PipelineRun:
     inputs: dict[str, Any]
     config: Any
     instruments: list[Instrument]
+    checks: list[NumericsCheck] = field(default_factory=list)
     bounds: AxisBounds | None = None
     shared: Captured | None = None
     captured: Captured | None = None
@@ -115,7 +110,9 @@ class PipelineRun:
     current: StepRecord | None = None
 
     def step(self, step: StepRecord, program: Any, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(program)`` as one instrumented step."""
+        """Run ``fn(program)`` as one instrumented step: the instruments observe it, then the
+        checks (postconditions: numerics) judge its output; a failure of either goes through
+        every instrument's ``on_error``."""
         parent, self.current = self.current, step
         try:
             for instrument in reversed(self.instruments):
@@ -123,14 +120,27 @@ class PipelineRun:
             try:
                 output = fn(program)
             except BaseException as error:
-                for instrument in self.instruments:
-                    instrument.on_error(step, program, error)
+                self._failed(step, program, error)
                 raise
+            failure: BaseException | None = None
+            try:
+                for check in self.checks:
+                    check.check(step, output)
+            except Exception as error:
+                failure = error
+                step.error = f"{type(error).__name__}: {error}".split("\n")[0]
             for instrument in self.instruments:
                 instrument.after(step, output)
+            if failure is not None:
+                self._failed(step, output, failure)
+                raise failure
             return output
         finally:
             self.current = parent
+
+    def _failed(self, step: StepRecord, program: Any, error: BaseException) -> None:
+        for instrument in self.instruments:
+            instrument.on_error(step, program, error)
 
     @property
     def input_axes(self) -> list[InputAxis]:
@@ -172,7 +182,7 @@ def stage_table(records: Sequence[StepRecord]) -> str:
             notes = notes or "no change"
         rows.append(
             f"| {indent}{record.name} | {fmt(record.seconds, '.3f')} | {fmt(record.peak_rss_mb, '.0f')} | "
-            f"{nodes} | {fmt(record.max_abs_diff, '.2e')} | {notes} |"
+            f"{nodes} | {'not checked' if record.checked is False else fmt(record.max_abs_diff, '.2e')} | {notes} |"
         )
         for child in record.children:
             add(child, "↳ ")
@@ -209,26 +219,32 @@ class PipelineResult:
 
 
 class Pipeline:
-    """capture → ``stages`` under ``instruments``.
+    """capture → ``stages`` under ``instruments``, for one ``config``.
 
     ``Pipeline.passes`` is the :class:`PassManager` of the first pass stage, so the FX pass list
-    can be edited in code before :meth:`run`. ``frontend`` knows the model library the pipeline
-    captures from (the exporters give it :data:`hfexport.models.TRANSFORMERS`). ``convert``
-    (``(model, inputs, config) -> (model, inputs)``) gives the model and inputs a capture takes
-    in the precision the config asks for (the exporters give it :mod:`hfexport.precision`'s).
+    can be edited in code before :meth:`run`. ``checks`` are the postconditions every step's
+    output must meet (the numerics check ``config.verify`` asks for). ``frontend`` knows the model
+    library the pipeline captures from (the exporters give it :data:`hfexport.models.TRANSFORMERS`).
+    ``convert`` (``(model, inputs, config) -> (model, inputs)``) gives the model and inputs a
+    capture takes in the precision the config asks for (the exporters give it
+    :mod:`hfexport.precision`'s).
     """
 
     def __init__(
         self,
         stages: Sequence[Stage],
+        config: Any,
         instruments: Sequence[Instrument] = (),
         frontend: Frontend | None = None,
         bounds: Callable[[torch.nn.Module, Any], AxisBounds | None] | None = None,
         convert: Callable[[torch.nn.Module, Any, Any], tuple[torch.nn.Module, Any]] | None = None,
+        checks: Sequence[NumericsCheck] = (),
     ) -> None:
         self.frontend = frontend or Frontend()
         self.stages: list[Stage] = [CaptureStage(self.frontend), *stages]
+        self.config = config
         self.instruments: list[Instrument] = list(instruments)
+        self.checks: list[NumericsCheck] = list(checks)
         self.bounds = bounds  # (model, config) -> the bounds the stages need on unbounded dynamic axes
         self.convert = convert
 
@@ -242,13 +258,13 @@ class Pipeline:
         bounds: Callable[[torch.nn.Module, Any], AxisBounds | None] | None = None,
         convert: Callable[[torch.nn.Module, Any, Any], tuple[torch.nn.Module, Any]] | None = None,
     ) -> Pipeline:
-        """A pipeline with the instruments a config asks for (timing always; dump, numerics)."""
+        """A pipeline with the instruments a config asks for (timing always; dump) and its
+        checks (numerics, with ``verify``)."""
         instruments: list[Instrument] = [TimingInstrument()]
         if config.dump_dir:
             instruments.append(DumpInstrument(config.dump_dir))
-        if config.verify:
-            instruments.append(NumericsInstrument(config.tolerance, each_pass=config.verify == "passes"))
-        return cls(stages, [*instruments, *extra], frontend, bounds, convert)
+        checks = [NumericsCheck(config.tolerance, each_pass=config.verify == "passes")] if config.verify else []
+        return cls(stages, config, [*instruments, *extra], frontend, bounds, convert, checks)
 
     @property
     def passes(self) -> PassManager:
@@ -256,12 +272,6 @@ class Pipeline:
             if isinstance(stage, PassStage):
                 return stage.manager
         raise HfExportError("this pipeline has no pass stage")
-
-    def stage(self, name: str) -> Stage:
-        for stage in self.stages:
-            if stage.name == name:
-                return stage
-        raise KeyError(f"no stage {name!r}; stages: {', '.join(s.name for s in self.stages)}")
 
     def describe(self) -> str:
         """The pipeline as one line: ``capture | fx_passes(a,b) | lower_onnx | …``."""
@@ -272,7 +282,6 @@ class Pipeline:
         self,
         model: torch.nn.Module,
         inputs: Any,
-        config: Any,
         *,
         bounds: AxisBounds | None = None,
         shared: Captured | None = None,
@@ -286,11 +295,12 @@ class Pipeline:
             # LeafSpec, whose class warns on every instance it makes, once per copy: noise between
             # the stage lines, about torch's own code
             warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning)
-            return self._run(model, inputs, config, bounds, shared)
+            return self._run(model, inputs, bounds, shared)
 
     def _run(
-        self, model: torch.nn.Module, inputs: Any, config: Any, bounds: AxisBounds | None, shared: Captured | None
+        self, model: torch.nn.Module, inputs: Any, bounds: AxisBounds | None, shared: Captured | None
     ) -> PipelineResult:
+        config = self.config
         if shared is None and self.convert is not None:
             model, inputs = self.convert(model, inputs, config)
         if bounds is None and shared is None and self.bounds is not None:
@@ -299,13 +309,20 @@ class Pipeline:
             if isinstance(stage, PassStage):
                 stage.manager.check()  # reject a bad order before spending time on capture
         run = PipelineRun(
-            self, model, self.frontend.prepare(model, inputs), config, self.instruments, bounds=bounds, shared=shared
+            self,
+            model,
+            self.frontend.prepare(model, inputs),
+            config,
+            self.instruments,
+            self.checks,
+            bounds=bounds,
+            shared=shared,
         )
         error: BaseException | None = None
         program = None
-        starting: Instrument | None = None
+        starting: Any = None
         try:
-            for starting in self.instruments:
+            for starting in [*self.instruments, *self.checks]:
                 starting.start(run)
             starting = None
             for index, stage in enumerate(self.stages):
@@ -320,7 +337,7 @@ class Pipeline:
             where = f"stage {run.records[-1].name!r}" if run.records else getattr(starting, "role", "setup")
             raise StageError(f"{where} failed: {type(caught).__name__}: {caught}") from caught
         finally:
-            for instrument in self.instruments:
+            for instrument in [*self.instruments, *self.checks]:
                 instrument.finish(run, error)
         if isinstance(program, torch.export.ExportedProgram):
             own_weights(program)  # a snapshot: later edits to the model do not reach it

@@ -19,7 +19,7 @@ from hfexport import (
     VerificationError,
     save_export,
 )
-from hfexport.pipeline.instruments import QUANTIZED_WEIGHTS
+from hfexport.pipeline.numerics import QUANTIZED_WEIGHTS
 
 # tiny-llama: 2 layers x (q, k, v, o, gate, up, down) + lm_head
 LINEAR_LAYERS = 15

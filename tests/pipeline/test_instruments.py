@@ -34,6 +34,40 @@ def test_verify_names_the_first_stage_over_tolerance(tmp_path):
     assert "VerificationError" in report
 
 
+def test_a_failed_numerics_check_goes_through_the_error_path(tmp_path):
+    # the check used to raise inside the instruments' `after` loop: no FAILED line, no error.txt
+    import io
+
+    from hfexport.pipeline.instruments import ProgressInstrument
+
+    model = build("tiny-llama")
+    config = DynamoConfig(dynamic=True, verify=True, dump_dir=str(tmp_path), passes=[AddsBecomeSubs()])
+    progress = io.StringIO()
+    with pytest.raises(VerificationError):
+        DynamoExporter().run(model, sample_inputs(model), config, [ProgressInstrument(progress)])
+    lines = progress.getvalue().splitlines()
+    assert lines[-1] == "[2/2] fx_passes FAILED" and not any("fx_passes done" in line for line in lines)
+    error = (tmp_path / "01_fx_passes" / "error.txt").read_text()
+    assert error.startswith("VerificationError: stage 'fx_passes': outputs differ from eager")
+    assert "aten.sub.Tensor" in (tmp_path / "01_fx_passes" / "graph.txt").read_text()  # the failing output
+
+
+def test_a_stage_whose_program_cannot_run_is_reported_not_checked(tmp_path):
+    from hfexport.pipeline.pipeline import Pipeline, TransformStage
+
+    class Opaque:  # a program kind with no runner registered
+        pass
+
+    model = build("tiny-llama")
+    config = DynamoConfig(dynamic=True, verify=True)
+    stages = [TransformStage("to_opaque", lambda program, run: Opaque())]
+    pipeline = Pipeline.for_config(stages, config)
+    result = pipeline.run(model, sample_inputs(model))
+    assert result.record("capture").checked is True and result.record("capture").max_abs_diff == 0
+    assert result.record("to_opaque").checked is False and result.record("to_opaque").max_abs_diff is None
+    assert "| to_opaque |" in result.report and "| not checked |" in result.report
+
+
 def test_records_and_report_without_dumps():
     model = build("tiny-gpt2")
     result = DynamoExporter().run(model, sample_inputs(model), DynamoConfig(dynamic=True, verify=True))
@@ -77,7 +111,7 @@ def test_verify_passes_names_the_pass_that_changed_the_numerics():
     pipeline = DynamoExporter().build_pipeline(config)
     pipeline.passes.insert("dead_code_elimination", AddsBecomeSubs())
     with pytest.raises(VerificationError, match=r"pass 'adds_become_subs' \(stage 'fx_passes'\).*first pass over"):
-        pipeline.run(model, sample_inputs(model), config)
+        pipeline.run(model, sample_inputs(model))
     # the passes before it were checked and matched
     result = DynamoExporter().run(model, sample_inputs(model), config)
     diffs = [child.max_abs_diff for child in result.record("fx_passes").children]

@@ -45,7 +45,7 @@ def test_compose_pass_list_in_code_and_find_it_in_dumps(tmp_path):
     assert pipeline.passes.names == list(DynamoExporter().target.default_passes)
     pipeline.passes.insert("dead_code_elimination", CountAdds())
     pipeline.passes.remove("remove_noop_conversions")
-    result = pipeline.run(model, sample_inputs(model), config)
+    result = pipeline.run(model, sample_inputs(model))
 
     names = [r.name for r in result.record("fx_passes").children]
     expected = [p for p in DynamoExporter().target.default_passes if p != "remove_noop_conversions"]

@@ -19,7 +19,7 @@ from hfexport import (
     StageError,
     register_pass,
 )
-from hfexport.pipeline.instruments import max_abs_diff
+from hfexport.pipeline.numerics import max_abs_diff
 from hfexport.pipeline.pass_manager import PassResult
 
 

@@ -11,6 +11,7 @@ rewritten) over the ``EdgeProgramManager``'s program, which it edits in place.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ def edge_pass(fn: Callable[[torch.export.ExportedProgram], int]) -> Pass:
         rewritten = fn(edge.exported_program())
         return PassResult(edge, modified=bool(rewritten), counts={"rewritten": rewritten})
 
-    run.__doc__ = fn.__doc__
+    functools.update_wrapper(run, fn)
     return register_pass(run, name=fn.__name__, stage=EDGE_PASSES)
 
 

@@ -24,8 +24,8 @@ import numpy as np
 
 from hfexport.errors import ConfigError
 from hfexport.passes.quantize import checked_rescore_top
-from hfexport.passes.top_logits import TOP, rescore_onnx
-from hfexport.pipeline.instruments import QUANTIZED_WEIGHTS
+from hfexport.passes.top_logits import TOP
+from hfexport.pipeline.numerics import QUANTIZED_WEIGHTS
 from hfexport.pipeline.pass_manager import Pass, PassResult, register_pass
 from hfexport.versions import quiet_loggers
 
@@ -320,6 +320,38 @@ class OnnxInt8Dynamic(Pass):
         if untied:
             counts["untied_weights"] = untied
         return PassResult(_program(after, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
+
+
+def rescore_onnx(model: Any, head: Any, table: str, top: int = TOP) -> None:
+    """Add the exact rescoring after ``head`` (an ``onnx.NodeProto`` of ``model``'s top graph whose
+    first output is the logits, first input the hidden state) from the [vocab, hidden] initializer
+    ``table``, in place: the logits keep their name."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    vocab = next(list(t.dims) for t in model.graph.initializer if t.name == table)[0]
+    logits, x = head.output[0], head.input[0]
+    approx, base = f"{logits}_approx", f"{head.name}_top"
+    head.output[0] = approx
+    model.graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([min(top, vocab)], np.int64), f"{base}_k"),
+            numpy_helper.from_array(np.array([-1], np.int64), f"{base}_axis"),
+        ]
+    )
+    nodes = [
+        helper.make_node("TopK", [approx, f"{base}_k"], [f"{base}_values", f"{base}_index"], axis=-1, name=base),
+        helper.make_node("Gather", [table, f"{base}_index"], [f"{base}_rows"], name=f"{base}_rows"),
+        helper.make_node("Unsqueeze", [x, f"{base}_axis"], [f"{base}_column"], name=f"{base}_column"),
+        helper.make_node("MatMul", [f"{base}_rows", f"{base}_column"], [f"{base}_products"], name=f"{base}_exact"),
+        helper.make_node("Squeeze", [f"{base}_products", f"{base}_axis"], [f"{base}_exact"], name=f"{base}_drop"),
+        helper.make_node(
+            "ScatterElements", [approx, f"{base}_index", f"{base}_exact"], [logits], axis=-1, name=f"{base}_scatter"
+        ),
+    ]
+    position = list(model.graph.node).index(head) + 1
+    for offset, node in enumerate(nodes):
+        model.graph.node.insert(position + offset, node)
 
 
 register_pass(OnnxInt4Weights)
