@@ -265,6 +265,7 @@ def test_spec_example_with_the_real_qwen3_config_values_loads_and_runs(tmp_path,
 
 
 def test_a_program_writing_its_input_in_place_lowers_without_whole_tensor_copies():
+    from hfexport.pipeline.pass_manager import get_pass
     from hfexport.targets.executorch.lowering import partitioners, to_edge
 
     class CacheWrite(torch.nn.Module):
@@ -275,10 +276,17 @@ def test_a_program_writing_its_input_in_place_lowers_without_whole_tensor_copies
     cache, slots, states = torch.zeros(1, 2, 16, 4), torch.tensor([3, 4]), torch.randn(1, 2, 2, 4)
     program = torch.export.export(CacheWrite(), (), {"cache": cache.clone(), "slots": slots, "states": states})
     edge = to_edge(program, partitioners("xnnpack"))
-    graph = edge.exported_program().graph
-    ops = [getattr(n.target, "_name", "") for n in graph.nodes if n.op == "call_function"]
-    # the partitioners' decomposition left two copy(cache, new value) per written input
-    assert ops.count("aten::copy") == 0 and ops.count("aten::index_put") == 1
+
+    def ops():
+        graph = edge.exported_program().graph
+        return [getattr(n.target, "_name", "") for n in graph.nodes if n.op == "call_function"]
+
+    # the partitioners' decomposition left two copy(cache, new value) per written input, which the
+    # edge pass drop_same_layout_copies removes
+    assert ops().count("aten::copy") == 2
+    result = get_pass("drop_same_layout_copies")(edge)
+    assert result.program is edge and result.counts == {"rewritten": 2}
+    assert ops().count("aten::copy") == 0 and ops().count("aten::index_put") == 1
 
     written = cache.clone()
     expected = CacheWrite()(written, slots, states)
@@ -305,7 +313,7 @@ def test_head_transposes_around_elementwise_ops_cancel_and_an_output_keeps_its_v
     names the new value. A chain with another user keeps its transposes."""
     from executorch.exir import to_edge
 
-    from hfexport.targets.executorch.lowering import cancel_head_transposes
+    from hfexport.targets.executorch.passes.edge import cancel_head_transposes
 
     class Chain(torch.nn.Module):
         def forward(self, x, c):
@@ -440,3 +448,76 @@ def test_a_none_user_input_before_the_tensors_lowers(tmp_path):
     other = {"attention_mask": {"full_attention": None}, "hidden_states": torch.randn(3, 5, 4)}
     got = ExportFolder(tmp_path).runner().run(other)[0]
     torch.testing.assert_close(got, NoneMaskFirst()(**other))
+
+
+EDGE_PASSES = [
+    "drop_same_layout_copies",
+    "drop_same_shape_expands",
+    "infer_the_dynamic_view_axis",
+    "state_in_attention_layout",
+    "drop_same_shape_views",
+    "cancel_head_transposes",
+    "drop_contiguous_clones",
+]
+
+
+def test_the_edge_rewrites_are_passes_listed_in_their_stage(capsys):
+    from hfexport.cli import main
+
+    assert main(["passes", "--format", "executorch"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith(
+        "executorch: capture → fx_passes → to_edge → program_state → edge_passes → delegate → to_executorch"
+    )
+    listed = out.split("edge_passes:\n")[1].split("\ndelegate")[0].splitlines()
+    assert [line.split()[1] for line in listed] == EDGE_PASSES
+
+
+def test_an_edge_pass_is_dumped_timed_removable_and_verified(tmp_path):
+    from executorch.exir.dialects._ops import ops as exir_ops
+
+    from hfexport import Pass, PassResult, VerificationError
+    from hfexport.targets import get_target
+
+    model = build("tiny-llama")
+    inputs = sample_inputs(model, 1, 8)  # one sequence: the attention runs on the fused kernel
+    config = ExecutorchConfig(dynamic=True, max_batch_size=1, verify=True, dump_dir=str(tmp_path))
+    default = ExecutorchExporter().run(model, inputs, config)
+    stage = default.record("edge_passes")
+    assert [child.name for child in stage.children] == EDGE_PASSES
+    chains = default.record("edge_passes/cancel_head_transposes").counts["rewritten"]
+    assert chains >= 4  # the query's and key's rotary in each of the two layers
+    for index, name in enumerate(EDGE_PASSES):
+        folder = tmp_path / "04_edge_passes" / f"{index:02d}_{name}"
+        assert (folder / "graph.txt").is_file() and "nodes" in (folder / "stats.json").read_text(), name
+        assert default.record(f"edge_passes/{name}").seconds is not None
+    assert "| ↳ cancel_head_transposes |" in default.report
+
+    # without it the edge program keeps the rotary's transposes, and still matches eager
+    passes = [p for p in get_target("executorch").default_passes if p != "cancel_head_transposes"]
+    config = ExecutorchConfig(dynamic=True, max_batch_size=1, verify=True, passes=passes)
+    kept = ExecutorchExporter().run(model, inputs, config)
+    assert [child.name for child in kept.record("edge_passes").children] == [
+        p for p in EDGE_PASSES if p != "cancel_head_transposes"
+    ]
+    assert kept.record("edge_passes").nodes_out > stage.nodes_out  # a transpose each way per chain
+    assert kept.record("to_executorch").max_abs_diff <= 1e-4
+
+    class AddsBecomeSubs(Pass):
+        name = "edge_adds_become_subs"
+        stage = "edge_passes"
+
+        def __call__(self, edge):
+            changed = 0
+            for node in edge.exported_program().graph.nodes:
+                if node.target == exir_ops.edge.aten.add.Tensor:
+                    node.target = exir_ops.edge.aten.sub.Tensor
+                    changed += 1
+            edge.exported_program().graph_module.recompile()
+            return PassResult(edge, modified=bool(changed), counts={"rewritten": changed})
+
+    passes = [*get_target("executorch").default_passes]
+    passes.insert(passes.index("drop_same_shape_views"), AddsBecomeSubs())
+    config = ExecutorchConfig(dynamic=True, max_batch_size=1, verify="passes", passes=passes)
+    with pytest.raises(VerificationError, match=r"pass 'edge_adds_become_subs' \(stage 'edge_passes'\)"):
+        ExecutorchExporter().run(model, inputs, config)
