@@ -275,7 +275,44 @@ def latest_onnx_opset() -> int | None:
     return int(onnx.defs.onnx_opset_version())
 
 
-EXECUTORCH_BACKENDS = ("xnnpack", "portable", "cuda")
+# the ExecuTorch backends hfexport's lowering delegates to ("portable": none, every op on portable kernels)
+EXECUTORCH_BACKENDS = ("xnnpack", "portable")
+
+
+def cuda_backend_missing() -> list[str]:
+    """What ExecuTorch's CUDA backend needs and this machine has not: a CUDA build of PyTorch, a
+    visible device, the ``executorch.backends.cuda`` package and triton, which it imports. The
+    packages are looked up, not imported."""
+    import importlib.util
+
+    missing = []
+    if torch.version.cuda is None:
+        missing.append(f"a CUDA build of PyTorch (this one is {torch.__version__})")
+    elif not torch.cuda.is_available():
+        missing.append("a visible CUDA device")
+    for module, what in (
+        ("executorch.backends.cuda", "ExecuTorch's CUDA backend"),
+        ("triton", "which executorch.backends.cuda imports"),
+    ):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(f"the {module} package ({what})")
+    return missing
+
+
+def refuse_cuda_backend() -> None:
+    """Raise the :class:`ConfigError` of ``ExecutorchConfig(backend="cuda")``: hfexport's lowering
+    does not delegate to ExecuTorch's CUDA backend (an AOTInductor delegate whose kernels go to a
+    ``.ptd`` file beside the ``.pte``), and the message names what else this machine lacks for it."""
+    missing = cuda_backend_missing()
+    also = f", which would also need {'; '.join(missing)}" if missing else ""
+    raise ConfigError(
+        "ExecutorchConfig backend 'cuda' is refused: hfexport's ExecuTorch lowering delegates to XNNPACK or to "
+        f"nothing (portable), not to ExecuTorch's CUDA backend{also}; use backend='xnnpack' (CPU) or 'portable'"
+    )
 
 
 DEFAULT_MAX_SEQ_LEN = 1024
@@ -287,8 +324,10 @@ class ExecutorchConfig(DynamoConfig):
     """Config of :class:`~hfexport.ExecutorchExporter`: the :class:`DynamoConfig` fields plus
 
     Args:
-        backend: ``"xnnpack"`` (CPU, default), ``"portable"`` (no delegation), or ``"cuda"``
-            (raises ``RuntimeError`` when CUDA is not available).
+        backend: ``"xnnpack"`` (CPU, default) or ``"portable"`` (no delegation: every op on
+            ExecuTorch's portable kernels). ``"cuda"`` is refused when the config is built, naming
+            what is missing (:func:`refuse_cuda_backend`): hfexport's lowering does not delegate
+            to ExecuTorch's CUDA backend.
         alloc_graph_input, alloc_graph_output, alloc_mutable_buffers: forwarded to ExecuTorch's
             memory planning (whether the planner allocates graph inputs, outputs and mutable
             buffers, or the caller provides them).
@@ -352,12 +391,9 @@ class ExecutorchConfig(DynamoConfig):
                 "ExecutorchConfig quantize_group_size must be a multiple of 32 for 4-bit weights (XNNPACK's "
                 f"kernels take such groups), got {self.quantize_group_size}"
             )
+        if self.backend == "cuda":
+            refuse_cuda_backend()
         if self.backend not in EXECUTORCH_BACKENDS:
             raise ConfigError(
                 f"unknown ExecuTorch backend {self.backend!r}; valid backends: {', '.join(EXECUTORCH_BACKENDS)}"
-            )
-        if self.backend == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(
-                "ExecutorchConfig(backend='cuda') needs a CUDA-enabled PyTorch and a visible CUDA device, and "
-                "torch.cuda.is_available() is False here; use backend='xnnpack' to target the CPU"
             )
