@@ -257,12 +257,6 @@ class Pipeline:
                 return stage.manager
         raise HfExportError("this pipeline has no pass stage")
 
-    def stage(self, name: str) -> Stage:
-        for stage in self.stages:
-            if stage.name == name:
-                return stage
-        raise KeyError(f"no stage {name!r}; stages: {', '.join(s.name for s in self.stages)}")
-
     def describe(self) -> str:
         """The pipeline as one line: ``capture | fx_passes(a,b) | lower_onnx | …``."""
         parts = [f"{s.name}({s.manager})" if isinstance(s, PassStage) else s.name for s in self.stages]

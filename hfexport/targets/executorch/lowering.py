@@ -721,7 +721,6 @@ def delegation_summary(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
     return {
         "delegated_nodes": info.num_delegated_nodes,
         "portable_nodes": info.num_non_delegated_nodes,
-        "by_op": {b.op_type: (b.delegated, b.non_delegated) for b in rows},
         "markdown": "\n".join(lines) + "\n",
     }
 
