@@ -275,6 +275,9 @@ class DynamoTarget(Target):
     def save(self, program: torch.export.ExportedProgram, path: Path) -> None:
         torch.export.save(program, path)
 
+    def load_program(self, path: Path, trust: bool = False) -> torch.export.ExportedProgram:
+        return load_exported_program(path, trust)
+
     def component(self, program: torch.export.ExportedProgram, captured: Captured | None) -> ComponentSpec:
         return program_component(program, captured)
 
