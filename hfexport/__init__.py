@@ -30,7 +30,8 @@ from hfexport.exporters import (
 from hfexport.generation import TextGenerator, load
 from hfexport.models.caches import register_pytree_node
 from hfexport.models.generation import decompose_for_generation
-from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.instruments import Instrument, StepRecord
 from hfexport.pipeline.pass_manager import (
     Pass,

@@ -19,7 +19,8 @@ import torch
 from hfexport.configs import DynamoConfig, ExecutorchConfig, OnnxConfig, _encode_dim
 from hfexport.errors import ConfigError, HfExportError
 from hfexport.models import TRANSFORMERS
-from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.instruments import Instrument, TimingInstrument
 from hfexport.pipeline.pass_manager import PassManager, resolve_passes
 from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult, Stage

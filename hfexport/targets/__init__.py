@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 import torch
 
 from hfexport.errors import ArtifactError, ConfigError, HfExportError
-from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.targets.manifest import MANIFEST, ComponentSpec, Manifest
 
 

@@ -15,7 +15,8 @@ import torch
 from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
 from hfexport.pipeline.artifacts import outputs_in_program_order
-from hfexport.pipeline.capture import Captured, copy_inputs
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.inputs import copy_inputs
 from hfexport.targets import Target
 from hfexport.targets.manifest import (
     ComponentSpec,

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.targets import Target
 from hfexport.targets.executorch.runner import ExecutorchDecoder, ExecutorchRunner
 from hfexport.targets.manifest import ComponentSpec, Manifest
