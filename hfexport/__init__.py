@@ -27,7 +27,6 @@ from hfexport.exporters import (
     run_for_generation,
     run_targets,
 )
-from hfexport.generation import TextGenerator, load
 from hfexport.models.caches import register_pytree_node
 from hfexport.models.generation import decompose_for_generation
 from hfexport.pipeline.capture import Captured
@@ -49,6 +48,7 @@ from hfexport.targets.dynamo import load_exported_program
 from hfexport.targets.executorch.runner import ExecutorchRunner
 from hfexport.targets.manifest import ComponentSpec, Manifest
 from hfexport.targets.onnx.runner import OnnxRunner
+from hfexport.text_generator import TextGenerator, load
 
 __all__ = [
     "PATCHES",

@@ -226,7 +226,7 @@ def _shapes(inputs: dict[str, Any]) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from hfexport.generation import load
+    from hfexport.text_generator import load
 
     if args.chat and args.prompt_ids is not None:
         raise ConfigError("--chat applies a chat template to --prompt text; token ids are taken as given")
