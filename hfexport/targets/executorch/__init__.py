@@ -14,6 +14,7 @@ import torch
 from hfexport.pipeline.capture import Captured
 from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.targets import Target
+from hfexport.targets.executorch.manifest_entry import pte_component
 from hfexport.targets.executorch.runner import ExecutorchDecoder, ExecutorchRunner
 from hfexport.targets.manifest import ComponentSpec, Manifest
 
@@ -52,8 +53,6 @@ class ExecutorchTarget(Target):
         program.save(str(path))
 
     def component(self, program: Any, captured: Captured | None) -> ComponentSpec:
-        from hfexport.targets.executorch.lowering import pte_component
-
         return pte_component(program, captured)
 
     def runner(self, path: Path, spec: ComponentSpec, trust: bool = False) -> ExecutorchRunner:

@@ -21,19 +21,10 @@ import torch
 from hfexport.configs import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN
 from hfexport.errors import ConfigError, UnsupportedModelError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
-from hfexport.pipeline.capture import Captured
 from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.patches import patches_applied, register_patch
 from hfexport.pipeline.pipeline import PipelineRun
-from hfexport.targets.manifest import (
-    INPUT_SHAPE,
-    STATE_PREFIX,
-    ComponentSpec,
-    OutputSpec,
-    captured_facts,
-    program_inputs,
-    program_outputs,
-)
+from hfexport.targets.manifest import INPUT_SHAPE, STATE_PREFIX
 from hfexport.versions import require_backend
 
 logger = logging.getLogger("hfexport")
@@ -779,18 +770,6 @@ def _edge_text(edge: Any) -> str:
 
 def _edge_histogram(edge: Any) -> collections.Counter:
     return graph_histogram(edge.exported_program().graph)
-
-
-def pte_component(program: Any, captured: Captured | None = None) -> ComponentSpec:
-    """The manifest entry of an ExecuTorch program: its tensor inputs by keyword path in the
-    method's order, and its outputs (the write-back of each input it mutates is
-    ``output.<input path>``)."""
-    exported = program.exported_program()
-    outputs = [
-        OutputSpec(f"output.{path}" if kind == "write_back" else path, path, kind, written)
-        for path, kind, written in program_outputs(exported)
-    ]
-    return ComponentSpec("", program_inputs(exported, captured), outputs, **captured_facts(captured))
 
 
 def run_pte(program: Any, inputs: dict[str, Any]) -> list[Any]:
