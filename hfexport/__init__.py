@@ -30,10 +30,10 @@ from hfexport.exporters import (
     run_for_generation,
     run_targets,
 )
-from hfexport.generation import TextGenerator, load
 from hfexport.models.caches import register_pytree_node
 from hfexport.models.generation import decompose_for_generation
-from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.instruments import Instrument, StepRecord
 from hfexport.pipeline.pass_manager import (
     Pass,
@@ -51,6 +51,7 @@ from hfexport.targets.dynamo import load_exported_program
 from hfexport.targets.executorch.runner import ExecutorchRunner
 from hfexport.targets.manifest import ComponentSpec, Manifest
 from hfexport.targets.onnx.runner import OnnxRunner
+from hfexport.text_generator import TextGenerator, load
 
 __all__ = [
     "PATCHES",

@@ -7,6 +7,7 @@ from typing import Any
 
 from hfexport.configs import DynamoConfig
 from hfexport.errors import ConfigError
+from hfexport.exporters import exporter_for
 from hfexport.targets import Target, get_target, target_names
 
 
@@ -27,6 +28,4 @@ class AutoHfExporter:
 
     @staticmethod
     def from_config(config: DynamoConfig) -> Any:
-        from hfexport.exporters import exporter_for
-
         return exporter_for(getattr(config, "export_format", None))

@@ -226,7 +226,7 @@ def _shapes(inputs: dict[str, Any]) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from hfexport.generation import load
+    from hfexport.text_generator import load
 
     if args.chat and args.prompt_ids is not None:
         raise ConfigError("--chat applies a chat template to --prompt text; token ids are taken as given")
@@ -292,18 +292,21 @@ def _passes(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    import torch
-
     from hfexport.pipeline.pass_manager import PassManager
-    from hfexport.targets.dynamo import load_exported_program
+    from hfexport.targets import target_reading
 
-    program = load_exported_program(args.program, trust=args.trust_artifact)
+    source = Path(args.program)
+    target = target_reading(source)  # .pt2: an ExportedProgram; .onnx: an ONNX program
+    out = Path(args.out) if args.out else None
+    if out is not None and out.suffix != source.suffix:
+        raise ConfigError(f"--out {out}: the program read from {source.name} is saved as a {source.suffix} file")
+    program = target.load_program(source, trust=args.trust_artifact)
     manager = PassManager(args.passes)
     applied = [name for name in (args.applied or "").split(",") if name]
     program = manager.run(program, applied, log=lambda line: print(line, file=sys.stderr))
-    if args.out:
-        torch.export.save(program, args.out)
-        print(f"wrote {args.out}")
+    if out is not None:
+        target.save(program, out)
+        print(f"wrote {out}")
     return 0
 
 
@@ -477,11 +480,17 @@ def build_parser() -> argparse.ArgumentParser:
     passes.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE", help=IMPORT_HELP)
     passes.set_defaults(run=_passes)
 
-    replay = commands.add_parser("replay", help="run passes on a saved .pt2 (e.g. a failing pass's dumped input)")
-    replay.add_argument("program", help="a .pt2 file")
+    replay = commands.add_parser(
+        "replay", help="run passes on a saved .pt2 or .onnx (e.g. a failing pass's dumped input)"
+    )
+    replay.add_argument(
+        "program",
+        help="a .pt2 (an ExportedProgram, for FX passes) or an .onnx (an ONNX program, for ONNX-level passes); an "
+        ".onnx file is protobuf data, which runs no code when read",
+    )
     replay.add_argument("--passes", required=True, help="comma-separated pass names")
     replay.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE", help=IMPORT_HELP)
-    replay.add_argument("--out", help="save the resulting program here")
+    replay.add_argument("--out", help="save the resulting program here (the suffix of the program read)")
     replay.add_argument("--applied", help="comma-separated passes that already ran on the program (for error messages)")
     replay.add_argument("--trust-artifact", action="store_true", help=TRUST_HELP)
     replay.set_defaults(run=_replay)

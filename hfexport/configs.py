@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,27 +55,54 @@ def _decode_dim(value: Any, dims: dict[str, Any] | None = None) -> Any:
     return {int(k) if str(k).isdigit() else k: _decode_dim(v, dims) for k, v in value.items()}
 
 
-_SIMPLE_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "None": type(None)}
+_SIMPLE_TYPES = {"bool": bool, "int": int, "float": float, "str": str, "Path": os.PathLike, "None": type(None)}
+
+# the fields declared ``Any``: what each takes, and how a message says it
+_PASS_LIST = "a comma-separated string of pass names, a list of pass names / Pass objects, or None"
+_DYNAMIC_SHAPES = "a dict {input name: axes} (or a tuple / list, as torch.export.export takes), or None"
 
 
 def check_field_types(config: Any) -> None:
-    """Raise :class:`ConfigError` for a field whose value does not have its declared type, for
-    fields declared with plain types (``bool``, ``int | None``, ``float``, ``str``, …): a JSON
-    config's ``"dynamic": "no"`` is a string, not ``False``. A bool is not taken for a number; an
-    int is taken for a float."""
+    """Raise :class:`ConfigError` for a field whose value does not have its declared type: one
+    line naming the field, what was given and what it takes. Plain declared types (``bool``,
+    ``int | None``, ``float``, ``str``, ``str | Path | None``) are checked as declared: a JSON
+    config's ``"dynamic": "no"`` is a string, not ``False``; a bool is not taken for a number; an
+    int is taken for a float. ``passes`` and ``dynamic_shapes`` (declared ``Any``) are checked
+    for the shapes they take."""
+    from hfexport.pipeline.pass_manager import Pass
+
+    name = type(config).__name__
     for field in dataclasses.fields(config):
-        names = [part.strip() for part in str(field.type).split("|")]
-        if not all(name in _SIMPLE_TYPES for name in names):
-            continue
         value = getattr(config, field.name)
-        types = tuple(_SIMPLE_TYPES[name] for name in names)
+        if field.name == "passes":
+            items = [] if value is None or isinstance(value, str) else value
+            if not isinstance(value, (str, list, tuple, type(None))):
+                raise ConfigError(f"{name} passes must be {_PASS_LIST}, got {_given(value)}")
+            for index, item in enumerate(items):
+                if not isinstance(item, (str, Pass)):
+                    raise ConfigError(
+                        f"{name} passes[{index}] must be a pass name (str) or a Pass object, got {_given(item)}"
+                    )
+            continue
+        if field.name == "dynamic_shapes":
+            if not isinstance(value, (dict, list, tuple, type(None))):
+                raise ConfigError(f"{name} dynamic_shapes must be {_DYNAMIC_SHAPES}, got {_given(value)}")
+            continue
+        names = [part.strip() for part in str(field.type).split("|")]
+        if not all(part in _SIMPLE_TYPES for part in names):
+            continue  # a subclass's field of another type checks itself
+        types = tuple(_SIMPLE_TYPES[part] for part in names)
         if float in types:
             types += (int,)
         if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-            raise ConfigError(
-                f"{type(config).__name__} {field.name} must be {' or '.join(names)}, got {value!r} "
-                f"({type(value).__name__})"
-            )
+            raise ConfigError(f"{name} {field.name} must be {' or '.join(names)}, got {_given(value)}")
+
+
+def _given(value: Any) -> str:
+    """A value as a message shows it: its repr (cut to one short line) and its type."""
+    shown = repr(value).replace("\n", " ")
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return f"{shown} ({type(value).__name__})"
 
 
 @dataclass
@@ -88,7 +116,7 @@ class DynamoConfig:
         strict: forwarded to ``torch.export.export`` (``False``: non-strict tracing).
         passes: the FX pass list; ``None`` is the backend's default list, else a list of pass
             names / :class:`~hfexport.Pass` objects or a comma-separated string of names.
-        dump_dir: write per-stage and per-pass dumps and ``report.md`` under this folder.
+        dump_dir: write per-stage and per-pass dumps and ``report.md`` under this folder (a str or a path).
         verify: after capture and after each stage, compare the program's outputs with eager
             PyTorch on the sample inputs and fail at the first stage over ``tolerance``;
             ``"passes"`` checks after every pass too and names the first pass over it.
@@ -109,12 +137,16 @@ class DynamoConfig:
     prefer_deferred_runtime_asserts_over_guards: bool = False
     strict: bool = False
     passes: Any = None
-    dump_dir: str | None = None
+    dump_dir: str | Path | None = None
     verify: bool | str = False
     tolerance: float | None = None
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.verify not in (True, False, "passes") or not isinstance(self.verify, (bool, str)):
+            given = _given(self.verify)
+            raise ConfigError(f"{type(self).__name__} verify must be True, False or 'passes', got {given}")
+        check_field_types(self)
         if self.passes is not None:
             self.passes = split_pass_list(self.passes)
         if self.dynamic and self.dynamic_shapes is not None:
@@ -123,9 +155,6 @@ class DynamoConfig:
             self.dump_dir = str(self.dump_dir)
             if Path(self.dump_dir).exists() and not Path(self.dump_dir).is_dir():
                 raise ConfigError(f"dump_dir {self.dump_dir} is a file; give a folder for the dumps")
-        if self.verify not in (True, False, "passes"):
-            raise ConfigError(f"verify must be True, False or 'passes', got {self.verify!r}")
-        check_field_types(self)
         if self.tolerance is not None and not 0 < self.tolerance < float("inf"):
             raise ConfigError(
                 f"tolerance must be a positive number (the largest absolute difference), got {self.tolerance!r}"
@@ -246,7 +275,44 @@ def latest_onnx_opset() -> int | None:
     return int(onnx.defs.onnx_opset_version())
 
 
-EXECUTORCH_BACKENDS = ("xnnpack", "portable", "cuda")
+# the ExecuTorch backends hfexport's lowering delegates to ("portable": none, every op on portable kernels)
+EXECUTORCH_BACKENDS = ("xnnpack", "portable")
+
+
+def cuda_backend_missing() -> list[str]:
+    """What ExecuTorch's CUDA backend needs and this machine has not: a CUDA build of PyTorch, a
+    visible device, the ``executorch.backends.cuda`` package and triton, which it imports. The
+    packages are looked up, not imported."""
+    import importlib.util
+
+    missing = []
+    if torch.version.cuda is None:
+        missing.append(f"a CUDA build of PyTorch (this one is {torch.__version__})")
+    elif not torch.cuda.is_available():
+        missing.append("a visible CUDA device")
+    for module, what in (
+        ("executorch.backends.cuda", "ExecuTorch's CUDA backend"),
+        ("triton", "which executorch.backends.cuda imports"),
+    ):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(f"the {module} package ({what})")
+    return missing
+
+
+def refuse_cuda_backend() -> None:
+    """Raise the :class:`ConfigError` of ``ExecutorchConfig(backend="cuda")``: hfexport's lowering
+    does not delegate to ExecuTorch's CUDA backend (an AOTInductor delegate whose kernels go to a
+    ``.ptd`` file beside the ``.pte``), and the message names what else this machine lacks for it."""
+    missing = cuda_backend_missing()
+    also = f", which would also need {'; '.join(missing)}" if missing else ""
+    raise ConfigError(
+        "ExecutorchConfig backend 'cuda' is refused: hfexport's ExecuTorch lowering delegates to XNNPACK or to "
+        f"nothing (portable), not to ExecuTorch's CUDA backend{also}; use backend='xnnpack' (CPU) or 'portable'"
+    )
 
 
 DEFAULT_MAX_SEQ_LEN = 1024
@@ -258,8 +324,10 @@ class ExecutorchConfig(DynamoConfig):
     """Config of :class:`~hfexport.ExecutorchExporter`: the :class:`DynamoConfig` fields plus
 
     Args:
-        backend: ``"xnnpack"`` (CPU, default), ``"portable"`` (no delegation), or ``"cuda"``
-            (raises ``RuntimeError`` when CUDA is not available).
+        backend: ``"xnnpack"`` (CPU, default) or ``"portable"`` (no delegation: every op on
+            ExecuTorch's portable kernels). ``"cuda"`` is refused when the config is built, naming
+            what is missing (:func:`refuse_cuda_backend`): hfexport's lowering does not delegate
+            to ExecuTorch's CUDA backend.
         alloc_graph_input, alloc_graph_output, alloc_mutable_buffers: forwarded to ExecuTorch's
             memory planning (whether the planner allocates graph inputs, outputs and mutable
             buffers, or the caller provides them).
@@ -323,12 +391,9 @@ class ExecutorchConfig(DynamoConfig):
                 "ExecutorchConfig quantize_group_size must be a multiple of 32 for 4-bit weights (XNNPACK's "
                 f"kernels take such groups), got {self.quantize_group_size}"
             )
+        if self.backend == "cuda":
+            refuse_cuda_backend()
         if self.backend not in EXECUTORCH_BACKENDS:
             raise ConfigError(
                 f"unknown ExecuTorch backend {self.backend!r}; valid backends: {', '.join(EXECUTORCH_BACKENDS)}"
-            )
-        if self.backend == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(
-                "ExecutorchConfig(backend='cuda') needs a CUDA-enabled PyTorch and a visible CUDA device, and "
-                "torch.cuda.is_available() is False here; use backend='xnnpack' to target the CPU"
             )

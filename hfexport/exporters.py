@@ -19,7 +19,8 @@ import torch
 from hfexport.configs import DynamoConfig, _encode_dim
 from hfexport.errors import ConfigError, HfExportError
 from hfexport.models import TRANSFORMERS
-from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.instruments import Instrument, TimingInstrument
 from hfexport.pipeline.pass_manager import PassManager, resolve_passes
 from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult
@@ -173,15 +174,13 @@ def run_targets(
     configs export the model in different dtypes (``dtype="auto"`` with a bfloat16 model: float32
     for ONNX, bfloat16 for ExecuTorch) get one capture per dtype.
     """
-    from hfexport.auto import AutoHfExporter
-
     if not configs:
         raise ConfigError("run_targets needs at least one config")
     formats = [getattr(c, "export_format", None) for c in configs]
     if len(set(formats)) != len(formats):
         raise ConfigError(f"one config per target: {formats} names a target twice")
     if exporters is None:
-        exporters = [AutoHfExporter.from_config(c) for c in configs]
+        exporters = [exporter_for(getattr(c, "export_format", None)) for c in configs]
     if len(exporters) != len(configs):
         raise ConfigError(f"run_targets got {len(exporters)} exporters for {len(configs)} configs")
     groups = group_by_dtype(model, configs)

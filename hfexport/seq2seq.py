@@ -409,7 +409,8 @@ class EncoderDecoderGenerator:
     ) -> Generation:
         """Greedy generation from a text prompt (or token ids), or from ``audio`` (a WAV path or
         ``(samples, sampling rate)``) for a speech model: the new tokens after the decoder prompt,
-        their text (with a tokenizer), and the speed figures, as :meth:`TextGenerator.generate`."""
+        their text (with a tokenizer), and the speed figures, as
+        :meth:`~hfexport.text_generator.TextGenerator.generate`."""
         if chat:
             raise HfExportError(
                 "--chat applies a decoder-only model's chat template; an encoder-decoder takes the text"

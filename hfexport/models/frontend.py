@@ -15,7 +15,8 @@ import torch
 from hfexport.errors import ConfigError, UnsupportedModelError
 from hfexport.models.caches import register_cache_pytrees
 from hfexport.models.static_layers import attention_windows
-from hfexport.pipeline.capture import Frontend, as_input_dict
+from hfexport.pipeline.capture import Frontend
+from hfexport.pipeline.inputs import as_input_dict
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 

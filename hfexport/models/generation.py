@@ -22,7 +22,8 @@ from hfexport.errors import ConfigError, HfExportError, UnsupportedModelError
 from hfexport.models.frontend import normalize_inputs
 from hfexport.models.static_layers import with_encoder_length_cross_attention
 from hfexport.models.vision import REQUIRED_VISION_INDICES, VisionEncoderWithIndices, recording_vision_indices
-from hfexport.pipeline.capture import copy_inputs, eval_mode
+from hfexport.pipeline.eval_mode import eval_mode
+from hfexport.pipeline.inputs import copy_inputs
 from hfexport.pipeline.patches import patches_applied
 
 logger = logging.getLogger("hfexport")

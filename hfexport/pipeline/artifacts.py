@@ -64,7 +64,7 @@ def _ep_save(program: torch.export.ExportedProgram, path: Path) -> None:
 
 
 def _ep_run(program: torch.export.ExportedProgram, inputs: dict[str, Any]) -> list[torch.Tensor]:
-    from hfexport.pipeline.capture import copy_inputs
+    from hfexport.pipeline.inputs import copy_inputs
 
     with torch.no_grad():
         outputs = program.module()(**copy_inputs(inputs))

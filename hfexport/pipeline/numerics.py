@@ -127,7 +127,8 @@ class NumericsCheck:
         self.quantized = False
 
     def start(self, run: PipelineRun) -> None:
-        from hfexport.pipeline.capture import copy_inputs, eval_mode
+        from hfexport.pipeline.eval_mode import eval_mode
+        from hfexport.pipeline.inputs import copy_inputs
 
         self.inputs = run.inputs
         self.quantized = False

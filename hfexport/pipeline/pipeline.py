@@ -10,7 +10,9 @@ from typing import Any
 import torch
 
 from hfexport.errors import HfExportError, StageError
-from hfexport.pipeline.capture import AxisBounds, Captured, Frontend, InputAxis, capture
+from hfexport.pipeline.capture import Captured, Frontend, capture
+from hfexport.pipeline.dynamic_shapes import AxisBounds
+from hfexport.pipeline.input_axes import InputAxis
 from hfexport.pipeline.instruments import DumpInstrument, Instrument, StepRecord, TimingInstrument
 from hfexport.pipeline.numerics import NumericsCheck
 from hfexport.pipeline.pass_manager import PassManager, PassResult, execute_pass, own_weights

@@ -18,8 +18,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from hfexport.errors import ConfigError, HfExportError
-from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.errors import ArtifactError, ConfigError, HfExportError
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.targets.manifest import MANIFEST, ComponentSpec, Manifest
 
 
@@ -70,6 +71,13 @@ class Target:
     def save(self, program: Any, path: Path) -> None:
         """Write the artifact of ``program`` to ``path``."""
         raise NotImplementedError
+
+    def load_program(self, path: Path, trust: bool = False) -> Any:
+        """Read back a program that :meth:`save` wrote (or a failing pass's dumped ``input<suffix>``)
+        as the passes of this target's pass stages take it, for ``hfexport replay``. A target whose
+        artifact no pass takes (an ExecuTorch ``.pte``) does not override it. ``trust``: as for
+        :meth:`runner`."""
+        raise HfExportError(f"target {self.name!r} cannot read its {self.suffix} back as a program for passes")
 
     def component(self, program: Any, captured: Captured | None) -> ComponentSpec:
         """The manifest entry of ``program`` (its ``file`` is filled in by :func:`save_export`)."""
@@ -123,6 +131,27 @@ def artifact_suffixes() -> tuple[str, ...]:
             continue
         suffixes += [suffix, f"{suffix}.data"]
     return tuple(suffixes)
+
+
+def target_reading(path: str | Path) -> Target:
+    """The registered target that reads ``path`` back as a program for passes
+    (:meth:`Target.load_program`), picked by its suffix; :class:`~hfexport.ArtifactError` when
+    none reads that suffix."""
+    readers = {}
+    for name in TARGETS:
+        try:
+            target = get_target(name)
+        except (ImportError, HfExportError):
+            continue
+        if type(target).load_program is not Target.load_program:
+            readers.setdefault(target.suffix, target)
+    suffix = Path(path).suffix
+    if suffix not in readers:
+        raise ArtifactError(
+            f"{path}: a program for passes is a {' or '.join(readers)} file (a failing pass's dumped "
+            f"input{'/'.join(readers)}), not {suffix or 'a file without a suffix'}"
+        )
+    return readers[suffix]
 
 
 def get_target(name: Any) -> Target:

@@ -3,6 +3,7 @@ attention_as_matmuls, counts and numerics (eager semantics kept in torch)."""
 
 import pytest
 import torch
+from graphs import count
 
 from hfexport import get_pass
 
@@ -12,10 +13,6 @@ aten = torch.ops.aten
 class Attention(torch.nn.Module):
     def forward(self, q, k, v, mask):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def count(program, target):
-    return sum(1 for n in program.graph.nodes if n.target is target)
 
 
 def test_fully_masked_rows_become_zero_and_others_are_unchanged():

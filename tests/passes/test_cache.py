@@ -3,6 +3,7 @@
 import collections
 
 import torch
+from graphs import count
 
 from hfexport import get_pass
 
@@ -17,10 +18,6 @@ class StaticCacheWrite(torch.nn.Module):
         keys.index_copy_(2, slots, new)
         values.index_copy_(2, slots, -new)
         return keys * 2 + values
-
-
-def count(program, target):
-    return sum(1 for n in program.graph.nodes if n.target is target)
 
 
 def test_cache_writes_become_one_scatter_with_the_same_result(tmp_path):

@@ -1,6 +1,7 @@
 """whole_input_convolutions_as_linear: only convolutions with one output position are rewritten."""
 
 import torch
+from graphs import count
 
 from hfexport import get_pass
 
@@ -16,10 +17,6 @@ class PatchEmbeddings(torch.nn.Module):
     def forward(self, patches, image):
         embedded = self.proj(patches.view(-1, 3, 2, 4, 4)).view(-1, 8)
         return embedded, self.image(image)
-
-
-def count(program, target):
-    return sum(1 for n in program.graph.nodes if n.target is target)
 
 
 def test_only_whole_input_convolutions_become_linear():

@@ -1,15 +1,12 @@
 """Rewrites for the XNNPACK delegate: RMSNorm's mean as a linear layer."""
 
 import torch
+from graphs import count
 from models import build, eager, sample_inputs
 
 from hfexport import DynamoConfig, DynamoExporter, ExecutorchConfig, ExecutorchExporter, get_pass
 
 aten = torch.ops.aten
-
-
-def count(program, target):
-    return sum(1 for n in program.graph.nodes if n.target is target)
 
 
 class Norms(torch.nn.Module):

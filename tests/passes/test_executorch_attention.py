@@ -3,6 +3,7 @@ counts and numerics (the kernel's CPU implementation runs in torch)."""
 
 import pytest
 import torch
+from graphs import count
 
 from hfexport import get_pass
 
@@ -20,10 +21,6 @@ class Attention(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=0.3, enable_gqa=self.enable_gqa
         )
-
-
-def count(program, target):
-    return sum(1 for n in program.graph.nodes if n.target is target)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 6])

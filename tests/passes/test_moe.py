@@ -3,6 +3,7 @@ transformers' grouped_mm_fallback op, and on a tiny Qwen3-MoE."""
 
 import pytest
 import torch
+from graphs import count
 from models import build, eager, sample_inputs
 
 from hfexport import DynamoConfig, DynamoExporter, get_pass
@@ -28,10 +29,6 @@ class TransformersFallback(GroupedMM):
         import transformers.integrations.moe  # noqa: F401  (registers the op)
 
         return torch.ops.transformers.grouped_mm_fallback(x, self.weight, offs=offs)
-
-
-def count(program, target):
-    return sum(1 for n in program.graph.nodes if n.target is target)
 
 
 def reference(x, weight, offs):

@@ -1,14 +1,11 @@
 """Rewrites of ops without ExecuTorch portable kernels: counts before / after and numerics."""
 
 import torch
+from graphs import count
 
 from hfexport import get_pass
 
 aten = torch.ops.aten
-
-
-def count(program, target):
-    return sum(1 for n in program.graph.nodes if n.target is target)
 
 
 class Routing(torch.nn.Module):

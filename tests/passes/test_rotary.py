@@ -1,6 +1,7 @@
 """rotate_half_as_linear: transformers' rotate_half as one linear layer, with exactly its values."""
 
 import torch
+from graphs import count
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hfexport import get_pass
@@ -11,10 +12,6 @@ aten = torch.ops.aten
 class Rotary(torch.nn.Module):
     def forward(self, q, k, cos, sin):
         return apply_rotary_pos_emb(q, k, cos, sin)
-
-
-def count(program, target):
-    return sum(1 for n in program.graph.nodes if n.target is target)
 
 
 def test_rotate_half_becomes_a_linear_with_the_same_values():

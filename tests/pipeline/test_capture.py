@@ -177,7 +177,7 @@ def test_a_one_row_sample_keeps_the_batch_axis_dynamic(caplog):
 
 
 def test_widening_needs_one_row_everywhere():
-    from hfexport.pipeline.capture import widen_batch
+    from hfexport.pipeline.inputs import widen_batch
 
     one = {"input_ids": torch.ones(1, 4, dtype=torch.long), "cache_position": torch.arange(4)}
     widened = widen_batch(one)

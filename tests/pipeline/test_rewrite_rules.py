@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from graphs import count
 
 from hfexport.pipeline import pass_manager
 from hfexport.pipeline.graph_edit import GraphEditor
@@ -27,10 +28,6 @@ def mul_by_two_as_add(graph, node):
 
 
 DOUBLE = RewriteRule("double_as_add", {aten.mul.Tensor}, doubles_only, mul_by_two_as_add)
-
-
-def count(program, target):
-    return sum(1 for n in program.graph.nodes if n.target is target)
 
 
 def test_rule_rewrites_one_node_and_misses_the_other_with_its_reason(hfexport_logs):

@@ -73,6 +73,10 @@ def generation_export(tmp_path_factory, saved_llama):
         (["export", "tiny-llama", "--out", "{tmp}/o", "--dump-dir", "{tmp}/file.txt"], ["dump_dir", "is a file"]),
         (["generate", "{tmp}/missing", "--prompt-ids", "1,2"], ["no hfexport.json"]),
         (["replay", "{tmp}/missing.pt2", "--passes", "dead_code_elimination"], ["does not exist"]),
+        (["replay", "{tmp}/missing.onnx", "--passes", "onnx_optimizer"], ["missing.onnx does not exist"]),
+        (["replay", "{tmp}/bad.onnx", "--passes", "onnx_optimizer"], ["not a readable ONNX model", "DecodeError"]),
+        (["replay", "{tmp}/empty.onnx", "--passes", "onnx_optimizer"], ["holds no ONNX graph"]),
+        (["replay", "{tmp}/file.txt", "--passes", "onnx_optimizer"], ["a .pt2 or .onnx file", "not .txt"]),
     ],
 )
 def test_a_mistake_is_one_line(tmp_path, capsys, argv, words):
@@ -84,6 +88,8 @@ def test_a_mistake_is_one_line(tmp_path, capsys, argv, words):
         shapes = {"dynamic_shapes": {"input_ids": {axis: {"dim": "seq", **dim}}}}
         (tmp_path / f"dim-{name}.json").write_text(json.dumps(shapes))
     (tmp_path / "file.txt").write_text("mine")
+    (tmp_path / "bad.onnx").write_text("{not an onnx model")
+    (tmp_path / "empty.onnx").write_bytes(b"")
     (tmp_path / "no-weights").mkdir()
     build("tiny-llama").config.save_pretrained(tmp_path / "no-weights")
     (tmp_path / "broken-config").mkdir()

@@ -7,6 +7,7 @@ from models import build, eager, main_output, sample_inputs
 from hfexport import (
     AutoExportConfig,
     AutoHfExporter,
+    ConfigError,
     ExecutorchConfig,
     ExecutorchExporter,
     ExecutorchRunner,
@@ -107,9 +108,27 @@ def test_unbounded_axes_get_the_documented_bounds():
         runner.run(sample_inputs(model, 1, 41))
 
 
-def test_cuda_backend_without_cuda_is_a_runtime_error():
-    with pytest.raises(RuntimeError, match="CUDA"):
+def test_the_cuda_backend_is_refused_when_the_config_is_built_naming_what_is_missing(monkeypatch):
+    import importlib.util
+
+    from hfexport import configs
+
+    with pytest.raises(ConfigError) as caught:
         ExecutorchConfig(backend="cuda")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "not to ExecuTorch's CUDA backend" in message and "use backend='xnnpack' (CPU) or 'portable'" in message
+    if torch.version.cuda is None:
+        assert f"a CUDA build of PyTorch (this one is {torch.__version__})" in message
+    if importlib.util.find_spec("triton") is None:
+        assert "the triton package" in message
+    # with everything ExecuTorch's CUDA backend needs, hfexport's lowering still has no CUDA path
+    monkeypatch.setattr(configs, "cuda_backend_missing", lambda: [])
+    with pytest.raises(ConfigError, match=r"not to ExecuTorch's CUDA backend; use backend='xnnpack'"):
+        ExecutorchConfig(backend="cuda")
+    assert ExecutorchConfig(backend="portable").backend == "portable"
+    with pytest.raises(ConfigError, match="valid backends: xnnpack, portable$"):
+        ExecutorchConfig(backend="vulkan")
 
 
 def test_delegation_summary_shows_linear_layers_on_xnnpack(tmp_path):

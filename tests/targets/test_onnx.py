@@ -2,6 +2,7 @@
 
 import collections
 import json
+import shlex
 
 import numpy as np
 import onnxruntime as ort
@@ -17,8 +18,13 @@ from hfexport import (
     OnnxConfig,
     OnnxExporter,
     OnnxRunner,
+    PassError,
+    PassManager,
+    get_target,
+    register_pass,
     save_export,
 )
+from hfexport.cli import main
 
 SHAPES = [(2, 8), (3, 13), (1, 5), (2, 80)]
 PRESETS = [
@@ -446,3 +452,52 @@ def test_a_split_by_a_size_known_at_run_time_survives_the_optimizer(tmp_path):
     for inputs in (sample, {"x": torch.randn(3, 7, 4)}):
         (got,) = runner.run(inputs)
         torch.testing.assert_close(torch.as_tensor(got), Streams()(**inputs), atol=1e-5, rtol=0)
+
+
+@register_pass(name="explode_on_onnx_test", stage="onnx_passes")
+def _explode_on_onnx(program):
+    """Fails on purpose, naming what it read of the ONNX model (test)."""
+    graph = program.model.graph
+    raise RuntimeError(f"boom on {sum(1 for _ in graph)} nodes reading {', '.join(v.name for v in graph.inputs)}")
+
+
+def test_a_failing_onnx_pass_replays_with_the_command_its_reproducer_prints(tmp_path, capsys):
+    model = build("tiny-llama")
+    config = OnnxConfig(dump_dir=str(tmp_path / "dump"), passes="onnx_optimizer,explode_on_onnx_test")
+    with pytest.raises(PassError) as in_pipeline:
+        OnnxExporter().export(model, sample_inputs(model), config)
+    error = in_pipeline.value
+    assert (error.pass_name, error.passes_before) == ("explode_on_onnx_test", ("onnx_optimizer",))
+    assert error.cause.startswith("RuntimeError: boom on ") and "reading input_ids, attention_mask" in error.cause
+    folder = tmp_path / "dump" / "03_onnx_passes" / "01_explode_on_onnx_test"
+    comment, command = (folder / "repro.txt").read_text().splitlines()
+    assert comment.startswith("# 'explode_on_onnx_test' is not one of hfexport's passes: --import loads")
+    repro = shlex.split(command)
+    assert repro[:5] == ["hfexport", "replay", "--import", __file__, str(folder / "input.onnx")]
+    assert any(command in note for note in error.__notes__)
+
+    # the printed command, as given: the same PassError (same pass, passes before it, cause)
+    capsys.readouterr()
+    assert main(repro[1:]) == 2
+    assert capsys.readouterr().err.splitlines()[0] == f"hfexport: error: {error}"
+    with pytest.raises(PassError) as replayed:
+        program = get_target("onnx").load_program(folder / "input.onnx")
+        PassManager(["explode_on_onnx_test"]).run(program, ["onnx_optimizer"])
+    assert (replayed.value.pass_name, replayed.value.passes_before, replayed.value.cause) == (
+        error.pass_name,
+        error.passes_before,
+        error.cause,
+    )
+
+    # a pass that works writes an .onnx that ONNX Runtime runs as the export would have
+    out = tmp_path / "fused.onnx"
+    assert main(["replay", str(folder / "input.onnx"), "--passes", "onnx_ort_fusions", "--out", str(out)]) == 0
+    assert "onnx_ort_fusions: modified=True" in capsys.readouterr().err
+    fused = collections.Counter(node.op_type for node in __import__("onnx").load(out).graph.node)
+    assert fused["SkipSimplifiedLayerNormalization"] > 0
+    session = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
+    inputs = sample_inputs(model)
+    logits = session.run(None, {name: inputs[name].numpy() for name in ("input_ids", "attention_mask")})[0]
+    np.testing.assert_allclose(logits, main_output(eager(model, inputs)).numpy(), atol=1e-4)
+    assert main(["replay", str(folder / "input.onnx"), "--passes", "onnx_ort_fusions", "--out", "x.pt2"]) == 2
+    assert "saved as a .onnx file" in capsys.readouterr().err

@@ -16,7 +16,8 @@ from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
 from hfexport.passes import CLEANUP_PASSES
 from hfexport.pipeline.artifacts import outputs_in_program_order
-from hfexport.pipeline.capture import Captured, copy_inputs
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.inputs import copy_inputs
 from hfexport.targets import Target
 from hfexport.targets.manifest import (
     ComponentSpec,
@@ -275,6 +276,9 @@ class DynamoTarget(Target):
 
     def save(self, program: torch.export.ExportedProgram, path: Path) -> None:
         torch.export.save(program, path)
+
+    def load_program(self, path: Path, trust: bool = False) -> torch.export.ExportedProgram:
+        return load_exported_program(path, trust)
 
     def component(self, program: torch.export.ExportedProgram, captured: Captured | None) -> ComponentSpec:
         return program_component(program, captured)

@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 
-from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.pipeline.capture import Captured
+from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.targets import Target
 from hfexport.targets.executorch import passes
+from hfexport.targets.executorch.manifest_entry import pte_component
 from hfexport.targets.executorch.runner import ExecutorchDecoder, ExecutorchRunner
 from hfexport.targets.manifest import ComponentSpec, Manifest
 
@@ -69,8 +71,6 @@ class ExecutorchTarget(Target):
         program.save(str(path))
 
     def component(self, program: Any, captured: Captured | None) -> ComponentSpec:
-        from hfexport.targets.executorch.lowering import pte_component
-
         return pte_component(program, captured)
 
     def runner(self, path: Path, spec: ComponentSpec, trust: bool = False) -> ExecutorchRunner:

@@ -21,18 +21,10 @@ import torch
 from hfexport.configs import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN
 from hfexport.errors import ConfigError, UnsupportedModelError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
-from hfexport.pipeline.capture import AxisBounds, Captured
+from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.patches import patches_applied, register_patch
 from hfexport.pipeline.pipeline import PipelineRun
-from hfexport.targets.manifest import (
-    STATE_PREFIX,
-    ComponentSpec,
-    OutputSpec,
-    captured_facts,
-    kept_inside,
-    program_inputs,
-    program_outputs,
-)
+from hfexport.targets.manifest import STATE_PREFIX, kept_inside
 from hfexport.versions import require_backend
 
 logger = logging.getLogger("hfexport")
@@ -278,7 +270,6 @@ def delegation_summary(graph_module: torch.fx.GraphModule) -> dict[str, Any]:
     return {
         "delegated_nodes": info.num_delegated_nodes,
         "portable_nodes": info.num_non_delegated_nodes,
-        "by_op": {b.op_type: (b.delegated, b.non_delegated) for b in rows},
         "markdown": "\n".join(lines) + "\n",
     }
 
@@ -338,18 +329,6 @@ def _edge_histogram(edge: Any) -> collections.Counter:
     return graph_histogram(edge.exported_program().graph)
 
 
-def pte_component(program: Any, captured: Captured | None = None) -> ComponentSpec:
-    """The manifest entry of an ExecuTorch program: its tensor inputs by keyword path in the
-    method's order, and its outputs (the write-back of each input it mutates is
-    ``output.<input path>``)."""
-    exported = program.exported_program()
-    outputs = [
-        OutputSpec(f"output.{path}" if kind == "write_back" else path, path, kind, written)
-        for path, kind, written in program_outputs(exported)
-    ]
-    return ComponentSpec("", program_inputs(exported, captured), outputs, **captured_facts(captured))
-
-
 def run_pte(program: Any, inputs: dict[str, Any]) -> list[Any]:
     """The program's user outputs (not its cache write-backs) on the ExecuTorch runtime."""
     from hfexport.targets.executorch.runner import ExecutorchRunner
@@ -375,7 +354,7 @@ def run_edge(edge: Any, inputs: dict[str, Any]) -> Any:
     from torch.export.graph_signature import InputKind, OutputKind
 
     from hfexport.pipeline.artifacts import artifact_kind
-    from hfexport.pipeline.capture import copy_inputs
+    from hfexport.pipeline.inputs import copy_inputs
     from hfexport.targets.runner import flat_inputs
 
     exported = edge.exported_program()

@@ -11,6 +11,7 @@ import torch
 
 from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
+from hfexport.targets.executorch.manifest_entry import pte_component
 from hfexport.targets.manifest import ComponentSpec, Manifest
 from hfexport.targets.runner import Runner
 
@@ -156,8 +157,6 @@ class ExecutorchRunner(Runner):
 
 def _spec_of(source: Any) -> ComponentSpec:
     if hasattr(source, "exported_program"):
-        from hfexport.targets.executorch.lowering import pte_component
-
         return pte_component(source)
     found = None if isinstance(source, bytes) else Manifest.find(source)
     if found is None:

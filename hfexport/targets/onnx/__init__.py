@@ -38,6 +38,11 @@ class OnnxTarget(Target):
 
         save_onnx(program, path)
 
+    def load_program(self, path: Path, trust: bool = False) -> Any:
+        from hfexport.targets.onnx.lowering import load_onnx
+
+        return load_onnx(path)
+
     def component(self, program: Any, captured: Captured | None) -> ComponentSpec:
         from hfexport.targets.onnx.lowering import onnx_component
 

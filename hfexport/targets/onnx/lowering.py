@@ -495,6 +495,31 @@ def save_onnx(program: torch.onnx.ONNXProgram, path: Path) -> None:
             file.write(chunk.SerializeToString())
 
 
+def load_onnx(path: str | Path) -> torch.onnx.ONNXProgram:
+    """Read an ``.onnx`` file (:func:`save_onnx`'s, with its external data beside it) back as the
+    ``torch.onnx.ONNXProgram`` the ONNX-level passes take, with no ``exported_program`` (a pass
+    that runs it needs none). An ONNX file is protobuf data: reading it runs no code from it.
+    :class:`~hfexport.ArtifactError` when it is missing or not an ONNX model."""
+    import onnx_ir as ir
+    from google.protobuf.message import DecodeError
+
+    from hfexport.errors import ArtifactError
+
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"{path} does not exist or is not a file; give the .onnx written by the export")
+    try:
+        model = ir.load(path)
+    except (DecodeError, ValueError, OSError) as error:
+        raise ArtifactError(
+            f"{path} is not a readable ONNX model ({type(error).__name__}: {error}); it may be truncated or from "
+            "another program: export again"
+        ) from error
+    if not model.graph.outputs:
+        raise ArtifactError(f"{path} holds no ONNX graph (an empty file, or not a model): export again")
+    return torch.onnx.ONNXProgram(model, None)
+
+
 def snapshot_onnx(program: torch.onnx.ONNXProgram) -> torch.onnx.ONNXProgram:
     import onnx_ir as ir
 

@@ -47,12 +47,9 @@ def quantization_pass(mode: str, group_size: int) -> Pass:
 
 
 def pass_list(config: Any) -> list[Any]:
-    """The passes of an ExecuTorch export: ``config.passes`` or :data:`DEFAULT_PASSES` (without
-    ``attention_as_custom_sdpa``, a CPU kernel, for ``backend="cuda"``), and the quantization pass
-    ``quantize`` asks for."""
+    """The passes of an ExecuTorch export: ``config.passes`` or :data:`DEFAULT_PASSES`, and the
+    quantization pass ``quantize`` asks for."""
     passes = list(DEFAULT_PASSES) if config.passes is None else list(config.passes)
-    if config.passes is None and config.backend == "cuda":
-        passes = [p for p in passes if p != "attention_as_custom_sdpa"]
     if config.quantize:
         quantization = quantization_pass(config.quantize, config.quantize_group_size)
         if quantization.name not in {getattr(p, "name", p) for p in passes}:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hfexport.pipeline.pass_manager import PassResult, register_pass
-from hfexport.targets.onnx.passes.graph import MS_DOMAIN
+from hfexport.targets.onnx.passes.domains import MS_DOMAIN
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from hfexport.targets.onnx.passes.graph import MS_DOMAIN
+from hfexport.targets.onnx.passes.domains import MS_DOMAIN
 
 
 def minimum_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

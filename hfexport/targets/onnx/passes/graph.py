@@ -10,7 +10,6 @@ from hfexport.pipeline.pass_manager import PassResult, register_pass
 from hfexport.pipeline.patches import patches_applied, register_patch
 
 # ONNX Runtime's contrib operators (MatMulNBits, GroupQueryAttention, RotaryEmbedding, …)
-MS_DOMAIN = "com.microsoft"
 
 
 def _node_count(program: Any) -> int:

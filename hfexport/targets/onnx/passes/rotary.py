@@ -8,7 +8,7 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from hfexport.targets.onnx.passes.graph import MS_DOMAIN
+from hfexport.targets.onnx.passes.domains import MS_DOMAIN
 
 # the dtypes of x ONNX Runtime's CPU RotaryEmbedding kernel runs (not bfloat16)
 ROTARY_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
