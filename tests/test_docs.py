@@ -14,15 +14,15 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 MAX_README_LINES = 200
 
-# Runs the README's python blocks in order in one namespace (a later block uses the model and the
+# Runs a page's python blocks in order in one namespace (a later block uses the model and the
 # inputs of an earlier one), each compiled under its own name so a failure says which block broke.
 RUNNER = """
 import json, sys
-blocks = json.load(open(sys.argv[1]))
-namespace = {"__name__": "__readme__"}
+blocks, page = json.load(open(sys.argv[1])), sys.argv[2]
+namespace = {"__name__": "__example__"}
 for line, source in blocks:
-    print(f"--- README.md block at line {line}", flush=True)
-    exec(compile(source, f"README.md (python block at line {line})", "exec"), namespace)
+    print(f"--- {page}: block at line {line}", flush=True)
+    exec(compile(source, f"{page} (python block at line {line})", "exec"), namespace)
 print("--- all blocks ran")
 """
 
@@ -35,7 +35,7 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
     ]
 
 
-def run_python_blocks(text: str, folder: Path) -> subprocess.CompletedProcess:
+def run_python_blocks(text: str, folder: Path, page: str = "README.md") -> subprocess.CompletedProcess:
     """Run ``text``'s python blocks in a fresh interpreter with ``folder`` as the working directory
     (the examples write their dumps and export folders there), offline."""
     import json
@@ -44,7 +44,12 @@ def run_python_blocks(text: str, folder: Path) -> subprocess.CompletedProcess:
     blocks.write_text(json.dumps(python_blocks(text)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-c", RUNNER, str(blocks)], cwd=folder, env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, "-c", RUNNER, str(blocks), page],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
 
 
@@ -63,12 +68,24 @@ def test_readme_python_examples_run_as_written(tmp_path):
     assert (tmp_path / "dumps" / "report.md").is_file()
 
 
-def test_a_broken_readme_example_fails(tmp_path):
+def test_a_broken_example_fails(tmp_path):
     """The check above can fail: a block that raises is reported with its README line."""
     text = "intro\n\n```python\nx = 1\n```\n\nmore\n\n```python\nassert x == 2, 'broken example'\n```\n"
     result = run_python_blocks(text, tmp_path)
     assert result.returncode != 0
     assert "python block at line 10" in result.stderr and "broken example" in result.stderr
+
+
+DOC_PAGES_WITH_EXAMPLES = sorted(
+    str(page.relative_to(ROOT)) for page in (ROOT / "docs").rglob("*.md") if "```python" in page.read_text()
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", DOC_PAGES_WITH_EXAMPLES)
+def test_docs_python_examples_run_as_written(page, tmp_path):
+    result = run_python_blocks((ROOT / page).read_text(), tmp_path, page)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="mkdocs is not installed")

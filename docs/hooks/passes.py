@@ -9,13 +9,17 @@ build.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from mkdocs.structure.files import File, Files
 
 PAGE = "passes.md"
+log = logging.getLogger("mkdocs.hooks.passes")
 
 
 def target_names() -> list[str]:
@@ -103,8 +107,15 @@ def catalogue() -> str:
 
 
 def on_files(files: Files, config: Any) -> Files:
+    # the checkout being documented, ahead of any installed copy of hfexport
+    root = str(Path(config.config_file_path).resolve().parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
     with warnings.catch_warnings():  # the backends' own deprecation warnings on import: not the docs'
         warnings.simplefilter("ignore", DeprecationWarning)
         content = catalogue()
+    import hfexport
+
+    log.info("pass catalogue: %d passes, from %s", content.count("\n### `"), Path(hfexport.__file__).parent)
     files.append(File.generated(config, PAGE, content=content))
     return files
