@@ -328,9 +328,10 @@ class ExecutorchConfig(DynamoConfig):
             ExecuTorch's portable kernels). ``"cuda"`` is refused when the config is built, naming
             what is missing (:func:`refuse_cuda_backend`): hfexport's lowering does not delegate
             to ExecuTorch's CUDA backend.
-        alloc_graph_input, alloc_graph_output, alloc_mutable_buffers: forwarded to ExecuTorch's
-            memory planning (whether the planner allocates graph inputs, outputs and mutable
-            buffers, or the caller provides them).
+        alloc_graph_input: forwarded to ExecuTorch's memory planning: whether the planner
+            allocates the graph's inputs (``False``: the caller provides them).
+        alloc_graph_output: likewise for the graph's outputs.
+        alloc_mutable_buffers: likewise for the program's mutable buffers.
         max_seq_len: upper bound of every unbounded dynamic axis other than the batch axis;
             ``None`` is 1024, capped by the model config's own length limit
             (``max_position_embeddings``, ``n_positions``, ``max_target_positions``, …) when it has one;
