@@ -30,16 +30,11 @@ def target_names() -> list[str]:
 
 
 def default_pass_names(target_name: str) -> list[str]:
-    """The names in ``target_name``'s default pass list, all its pass stages in pipeline order.
+    """The names in ``target_name``'s default pass list, all its pass stages in pipeline order
+    (the target keeps it beside its passes: ``hfexport/targets/<target>/passes/``)."""
+    from hfexport import get_target
 
-    The one place that knows where the default lists live: today the pipeline the target's exporter
-    builds for a default config (the registry's exporter class, as ``AutoHfExporter`` picks it).
-    """
-    from hfexport import AutoExportConfig, AutoHfExporter
-
-    config = AutoExportConfig.from_dict({"export_format": target_name})
-    pipeline = AutoHfExporter.from_config(config).build_pipeline(config)
-    return [pass_.name for stage in pipeline.stages for pass_ in getattr(getattr(stage, "manager", None), "passes", [])]
+    return list(get_target(target_name).default_passes)
 
 
 def docstring(pass_: Any) -> str:
