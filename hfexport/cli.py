@@ -292,20 +292,22 @@ def _passes(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from hfexport.pipeline.artifacts import artifact_kind
     from hfexport.pipeline.pass_manager import PassManager
     from hfexport.targets import target_reading
 
     source = Path(args.program)
-    target = target_reading(source)  # .pt2: an ExportedProgram; .onnx: an ONNX program
+    target = target_reading(source)  # .pt2: an ExportedProgram; .onnx: an ONNX program; .edge.pt2: an edge program
+    suffix = target.program_suffix or target.suffix
     out = Path(args.out) if args.out else None
-    if out is not None and out.suffix != source.suffix:
-        raise ConfigError(f"--out {out}: the program read from {source.name} is saved as a {source.suffix} file")
+    if out is not None and not out.name.endswith(suffix):
+        raise ConfigError(f"--out {out}: the program read from {source.name} is saved as a {suffix} file")
     program = target.load_program(source, trust=args.trust_artifact)
     manager = PassManager(args.passes)
     applied = [name for name in (args.applied or "").split(",") if name]
     program = manager.run(program, applied, log=lambda line: print(line, file=sys.stderr))
     if out is not None:
-        target.save(program, out)
+        artifact_kind(program).save(program, out)
         print(f"wrote {out}")
     return 0
 

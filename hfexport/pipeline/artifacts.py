@@ -27,6 +27,8 @@ class ArtifactKind:
     snapshot: Callable[[Any], Any]
     # dumps save the artifact after every pass too, not only at stage boundaries
     save_each_pass: bool = False
+    # False: saved only as a failing pass's input (its reproducer), not at every stage boundary
+    save_at_stages: bool = True
 
 
 _KINDS: dict[type, ArtifactKind] = {}

@@ -214,7 +214,7 @@ class DumpInstrument(Instrument):
         for name, text in step.files.items():
             (folder / name).write_text(text)
         (folder / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-        if kind.save is not None and (step.kind == "stage" or kind.save_each_pass):
+        if kind.save is not None and kind.save_at_stages and (step.kind == "stage" or kind.save_each_pass):
             kind.save(program, folder / f"program{kind.suffix}")
 
     def on_error(self, step: StepRecord, program: Any, error: BaseException) -> None:

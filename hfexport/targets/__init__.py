@@ -35,6 +35,8 @@ class Target:
 
     name: ClassVar[str]
     suffix: ClassVar[str]  # the artifact's file suffix, e.g. ".onnx"
+    # the suffix of the programs its passes take, when not the artifact's (read by load_program)
+    program_suffix: ClassVar[str | None] = None
     config_class: ClassVar[Any]
     default_passes: ClassVar[tuple[str, ...]] = ()
     # the floating-point dtypes the target's runtime runs a program in (a config's dtype="auto"
@@ -135,8 +137,8 @@ def artifact_suffixes() -> tuple[str, ...]:
 
 def target_reading(path: str | Path) -> Target:
     """The registered target that reads ``path`` back as a program for passes
-    (:meth:`Target.load_program`), picked by its suffix; :class:`~hfexport.ArtifactError` when
-    none reads that suffix."""
+    (:meth:`Target.load_program`), picked by the longest :attr:`Target.program_suffix` its name ends
+    with; :class:`~hfexport.ArtifactError` when none reads it."""
     readers = {}
     for name in TARGETS:
         try:
@@ -144,14 +146,14 @@ def target_reading(path: str | Path) -> Target:
         except (ImportError, HfExportError):
             continue
         if type(target).load_program is not Target.load_program:
-            readers.setdefault(target.suffix, target)
-    suffix = Path(path).suffix
-    if suffix not in readers:
-        raise ArtifactError(
-            f"{path}: a program for passes is a {' or '.join(readers)} file (a failing pass's dumped "
-            f"input{'/'.join(readers)}), not {suffix or 'a file without a suffix'}"
-        )
-    return readers[suffix]
+            readers.setdefault(target.program_suffix or target.suffix, target)
+    for suffix in sorted(readers, key=len, reverse=True):
+        if Path(path).name.endswith(suffix):
+            return readers[suffix]
+    raise ArtifactError(
+        f"{path}: a program for passes is a {' or '.join(readers)} file (a failing pass's dumped "
+        f"input{'/input'.join(readers)}), not {Path(path).suffix or 'a file without a suffix'}"
+    )
 
 
 def get_target(name: Any) -> Target:

@@ -13,6 +13,7 @@ from hfexport import (
     ExecutorchRunner,
     ExportFolder,
     HfExportError,
+    register_pass,
     save_export,
 )
 
@@ -540,3 +541,53 @@ def test_an_edge_pass_is_dumped_timed_removable_and_verified(tmp_path):
     config = ExecutorchConfig(dynamic=True, max_batch_size=1, verify="passes", passes=passes)
     with pytest.raises(VerificationError, match=r"pass 'edge_adds_become_subs' \(stage 'edge_passes'\)"):
         ExecutorchExporter().run(model, inputs, config)
+
+
+@register_pass(name="explode_on_edge_test", stage="edge_passes")
+def _explode_on_edge(edge):
+    """Fails on purpose, naming what it read of the edge program (test)."""
+    program = edge.exported_program()
+    state = sorted(name for name in program.state_dict if name.startswith("state."))
+    raise RuntimeError(f"boom on {len(program.graph.nodes)} nodes, state {state}")
+
+
+def test_a_failing_edge_pass_replays_with_the_command_its_reproducer_prints(tmp_path, capsys):
+    import shlex
+
+    from hfexport import PassError, run_for_generation
+    from hfexport.cli import main
+    from hfexport.pipeline.pass_manager import PassManager
+    from hfexport.targets import get_target
+
+    model = build("tiny-llama")
+    passes = [*get_target("executorch").default_passes]
+    passes.insert(passes.index("drop_same_shape_views"), "explode_on_edge_test")
+    config = ExecutorchConfig(dump_dir=str(tmp_path / "dump"), passes=passes)
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig(cache_implementation="static", max_cache_len=32)
+    with pytest.raises(PassError) as in_pipeline:
+        run_for_generation(model, sample_inputs(model, 1, 6), [config], generation, components=["decode"])
+    error = in_pipeline.value.__cause__  # the component's PassError ("component 'decode': …" wraps it)
+    assert error.pass_name == "explode_on_edge_test" and error.passes_before[-1] == "state_in_attention_layout"
+    assert "state ['state.cache.layers.0.keys'" in error.cause  # the input kept the program's state
+    folder = tmp_path / "dump" / "decode" / "04_edge_passes" / "04_explode_on_edge_test"
+    command = (folder / "repro.txt").read_text().splitlines()[-1]
+    repro = shlex.split(command)
+    assert repro[:5] == ["hfexport", "replay", "--import", __file__, str(folder / "input.edge.pt2")]
+    assert not list((tmp_path / "dump" / "decode").glob("0[2-4]_*/program*"))  # no edge program per stage
+
+    capsys.readouterr()
+    assert main(repro[1:]) == 2
+    assert capsys.readouterr().err.splitlines()[0].endswith(str(error).splitlines()[0])
+    with pytest.raises(PassError) as replayed:
+        program = get_target("executorch").load_program(folder / "input.edge.pt2")
+        PassManager(["explode_on_edge_test"]).run(program, error.passes_before)
+    assert (replayed.value.pass_name, replayed.value.passes_before) == (error.pass_name, error.passes_before)
+    assert replayed.value.cause.split(" nodes")[1] == error.cause.split(" nodes")[1]  # the same state
+
+    # a pass that works writes an edge program replay reads again
+    out = tmp_path / "views.edge.pt2"
+    assert main(["replay", str(folder / "input.edge.pt2"), "--passes", "drop_same_shape_views", "--out", str(out)]) == 0
+    assert "drop_same_shape_views: modified=True" in capsys.readouterr().err
+    assert get_target("executorch").load_program(out).exported_program().graph_signature.user_inputs

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import re
-import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -28,15 +26,8 @@ from hfexport.targets.manifest import (
     program_outputs,
 )
 from hfexport.targets.runner import Runner, flat_inputs
+from hfexport.targets.untrusted import refused, weights_only_loads
 from hfexport.versions import quiet_loggers
-
-# torch.export.load tries weights_only and falls back to full unpickling on failure
-# (pytorch/pytorch#153410; its weights_only parameter, pytorch/pytorch#191149, is not in 2.13):
-# forcing weights-only loads through this variable, which torch.load reads at every call
-# (torch/serialization.py), turns the fallback into an UnpicklingError. The lock keeps two loads
-# in two threads from restoring each other's value
-_FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
-_LOAD_LOCK = threading.Lock()
 
 
 def load_exported_program(path: str | Path, trust: bool = False) -> torch.export.ExportedProgram:
@@ -63,27 +54,10 @@ def load_exported_program(path: str | Path, trust: bool = False) -> torch.export
     # the unpickling fallback has one argument for two %s (torch/_export/serde/serialize.py)
     loggers = quiet_loggers("torch.export", "torch._export.serde.serialize")
     try:
-        if trust:
-            with loggers:
-                return torch.export.load(path)
-        with _LOAD_LOCK, loggers:
-            previous = os.environ.get(_FORCE_WEIGHTS_ONLY)
-            os.environ[_FORCE_WEIGHTS_ONLY] = "1"
-            try:
-                return torch.export.load(path)
-            finally:
-                if previous is None:
-                    del os.environ[_FORCE_WEIGHTS_ONLY]
-                else:
-                    os.environ[_FORCE_WEIGHTS_ONLY] = previous
+        with weights_only_loads(trust), loggers:
+            return torch.export.load(path)
     except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL (\S+)", str(error))
-        what = f" ({found.group(1)})" if found else ""
-        raise ArtifactError(
-            f"{path} holds pickled Python objects{what} beyond tensors and the types hfexport writes, and "
-            "loading them could run code from the file; hfexport refused. If you trust the file's source, "
-            "load it with trust=True (command line: --trust-artifact)"
-        ) from error
+        raise refused(path, error) from error
     except (zipfile.BadZipFile, EOFError, RuntimeError, KeyError, ValueError) as error:
         raise ArtifactError(
             f"{path} is not a readable torch.export archive ({type(error).__name__}: {str(error)[:200]}); "

@@ -26,6 +26,7 @@ class ExecutorchTarget(Target):
     name = "executorch"
     suffix = ".pte"
     config_class = "hfexport.configs:ExecutorchConfig"
+    program_suffix = ".edge.pt2"  # an edge program (a failing edge pass's dumped input)
     default_passes = passes.DEFAULT_PASSES
     runtime = "the ExecuTorch runtime"
 
@@ -66,6 +67,11 @@ class ExecutorchTarget(Target):
         from hfexport.targets.executorch.lowering import memory_planning_bounds
 
         return memory_planning_bounds(model, config)
+
+    def load_program(self, path: Path, trust: bool = False) -> Any:
+        from hfexport.targets.executorch.lowering import load_edge
+
+        return load_edge(path, trust)
 
     def save(self, program: Any, path: Path) -> None:
         program.save(str(path))

@@ -14,6 +14,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -387,6 +388,41 @@ def run_edge(edge: Any, inputs: dict[str, Any]) -> Any:
     }
 
 
+def save_edge(edge: Any, path: Path) -> None:
+    """Write the edge program with ExecuTorch's edge-dialect serialiser (a failing edge pass's
+    input, which ``hfexport replay`` reads back with :func:`load_edge`)."""
+    from executorch.exir.serde.serialize import save
+
+    save(edge.exported_program(), str(path))
+
+
+def load_edge(path: str | Path, trust: bool = False) -> Any:
+    """Read an edge program :func:`save_edge` wrote, as the ``EdgeProgramManager`` the
+    ``edge_passes`` take. Nothing beyond tensors is unpickled unless ``trust``."""
+    import pickle
+    import zipfile
+
+    from executorch.exir import EdgeCompileConfig, EdgeProgramManager
+    from executorch.exir.serde.serialize import load
+
+    from hfexport.errors import ArtifactError
+    from hfexport.targets.untrusted import refused, weights_only_loads
+    from hfexport.versions import quiet_loggers
+
+    path = Path(path)
+    if not path.is_file() or not zipfile.is_zipfile(path):
+        raise ArtifactError(f"{path} is not an edge program written by hfexport (a zip file); dump it again")
+    try:
+        # the reader warns once per unbacked size that only the source graph's sizes named
+        with weights_only_loads(trust), quiet_loggers("executorch.exir.serde.export_serialize"):
+            program = load(str(path))
+    except pickle.UnpicklingError as error:
+        raise refused(path, error) from error
+    except (zipfile.BadZipFile, KeyError, ValueError, RuntimeError) as error:
+        raise ArtifactError(f"{path} is not a readable edge program ({type(error).__name__}: {error})") from error
+    return EdgeProgramManager({"forward": program}, compile_config=EdgeCompileConfig(_check_ir_validity=False))
+
+
 def _snapshot(edge: Any) -> Any:
     import copy
 
@@ -399,7 +435,13 @@ def _register() -> None:
     register_artifact_kind(
         EdgeProgramManager,
         ArtifactKind(
-            suffix=".pt2", text=_edge_text, histogram=_edge_histogram, save=None, run=run_edge, snapshot=_snapshot
+            suffix=".edge.pt2",
+            text=_edge_text,
+            histogram=_edge_histogram,
+            save=save_edge,
+            run=run_edge,
+            snapshot=_snapshot,
+            save_at_stages=False,
         ),
     )
     register_artifact_kind(
