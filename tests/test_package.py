@@ -301,3 +301,10 @@ def test_every_default_pass_is_registered_and_the_pass_library_serves_more_than_
     for target in ("onnx", "executorch"):  # a target's own passes live in its folder
         own = {module for module in by_module if module.startswith(f"hfexport.targets.{target}.passes")}
         assert own and all(by_module[module] for module in own)
+
+
+def test_every_built_in_pass_says_when_to_leave_it_out():
+    from hfexport.pipeline.pass_manager import _is_builtin, registered_passes
+
+    silent = sorted(name for name, pass_ in registered_passes().items() if _is_builtin(pass_) and not pass_.remove_when)
+    assert silent == [], "give these passes a remove_when line (the pass catalogue prints it)"

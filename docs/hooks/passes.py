@@ -95,6 +95,8 @@ def catalogue() -> str:
             facts.append("- **Runs after:** " + ", ".join(f"`{n}`" for n in pass_.runs_after))
         if pass_.runs_before:
             facts.append("- **Runs before:** " + ", ".join(f"`{n}`" for n in pass_.runs_before))
+        if pass_.remove_when:
+            facts.append(f"- **Leave it out:** {pass_.remove_when}")
         if module := defined_in(pass_):
             facts.append(f"- **Defined in:** `{module}`")
         lines += [f"### `{name}` {{#{name}}}", "", *facts, "", markdown(docstring(pass_)), ""]

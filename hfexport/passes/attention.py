@@ -50,6 +50,10 @@ zero_fully_masked_attention_rows = rule_pass(
 
     An SDPA call with a float (additive) mask is left as is and counted as missed.
     """,
+    remove_when=(
+        "Without it, a query row whose mask hides every key gets the runtime kernel's values (NaN or "
+        "an average) instead of eager's zeros."
+    ),
 )
 
 
@@ -193,6 +197,10 @@ grouped_query_attention = rule_pass(
     ``view_copy``, ONNX ``Expand``) this saves copying every layer's whole KV cache ``groups``
     times per decode step. The same products and sums are computed, so results match to rounding.
     """,
+    remove_when=(
+        "Without it, the runtimes materialise transformers' repeat_kv copies: every layer's key/value "
+        "cache copied per group on every step."
+    ),
 )
 
 
@@ -211,7 +219,14 @@ def mask_forms(edit: GraphEditor, mask: torch.fx.Node, dtype: torch.dtype) -> tu
     return mask.meta[_MASK_FORMS]
 
 
-@register_pass(name="attention_as_matmuls", runs_after=("grouped_query_attention",))
+@register_pass(
+    name="attention_as_matmuls",
+    runs_after=("grouped_query_attention",),
+    remove_when=(
+        "Without it, ExecuTorch decomposes SDPA into ops XNNPACK refuses (portable kernels between "
+        "delegated graphs), and each layer converts the boolean mask again."
+    ),
+)
 def attention_as_matmuls(program: Any) -> PassResult:
     """Rewrite SDPA with a boolean mask (or none) as ``softmax(q @ kᵀ · scale + mask) @ v``.
 

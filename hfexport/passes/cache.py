@@ -43,7 +43,13 @@ def input_mutations(program: torch.export.ExportedProgram) -> dict[str, list[str
     return found
 
 
-@register_pass(name="mark_cache_mutations")
+@register_pass(
+    name="mark_cache_mutations",
+    remove_when=(
+        "Keep it for any program that writes its inputs (a static cache): the lowering stages read "
+        "what it records; without one it changes nothing."
+    ),
+)
 def mark_cache_mutations(program: Any) -> PassResult:
     """Find the user inputs the program writes in place (a static cache's keys, values and
     counters), record them in ``graph_module.meta["hfexport.cache_mutations"]`` for the lowering
@@ -55,7 +61,14 @@ def mark_cache_mutations(program: Any) -> PassResult:
     return result
 
 
-@register_pass(name="cache_writes_as_scatter", runs_after=("mark_cache_mutations",))
+@register_pass(
+    name="cache_writes_as_scatter",
+    runs_after=("mark_cache_mutations",),
+    remove_when=(
+        "Without it, torch.onnx writes each layer's cache through a Transpose, ScatterND and "
+        "Transpose back: three cache copies per decode step."
+    ),
+)
 def cache_writes_as_scatter(program: Any) -> PassResult:
     """Rewrite a static cache's write ``cache.index_copy_(axis, slots, new)`` as
     ``cache.scatter_(axis, slots broadcast to new's shape, new)``.

@@ -18,7 +18,12 @@ _RUNTIME_ASSERTS = {
 }
 
 
-@graph_pass()
+@graph_pass(
+    remove_when=(
+        "Never needed by a target: it drops checks of dtypes the graph fixes anyway. Leave it out to "
+        "keep torch.export's graph as traced."
+    )
+)
 def remove_tensor_metadata_asserts(graph_module: GraphModule) -> int:
     """Drop aten._assert_tensor_metadata checks: they restate dtypes the graph already fixes."""
     removed = 0
@@ -29,7 +34,12 @@ def remove_tensor_metadata_asserts(graph_module: GraphModule) -> int:
     return removed
 
 
-@graph_pass()
+@graph_pass(
+    remove_when=(
+        "Not in any default list: without the asserts an out-of-range input is no longer refused by "
+        "the graph itself. Add it only when a runtime cannot run them."
+    )
+)
 def remove_runtime_asserts(graph_module: GraphModule) -> int:
     """Drop runtime shape asserts (aten._assert_scalar, sym_constrain_range*); out-of-range
     inputs are then no longer rejected by the graph itself."""
@@ -55,7 +65,7 @@ def _is_noop_conversion(node: torch.fx.Node) -> bool:
     return (before.dtype, before.device, before.layout) == (result.dtype, result.device, result.layout)
 
 
-@graph_pass()
+@graph_pass(remove_when="Safe to leave out: the conversions it removes change nothing.")
 def remove_noop_conversions(graph_module: GraphModule) -> int:
     """Replace aten.to calls that keep dtype, device and layout by their input."""
     removed = 0
@@ -67,7 +77,12 @@ def remove_noop_conversions(graph_module: GraphModule) -> int:
     return removed
 
 
-@graph_pass()
+@graph_pass(
+    remove_when=(
+        "Only for a runtime that squeezes like torch (Dynamo): ONNX's Squeeze fails on an axis that "
+        "is not 1 (Parakeet's decoder did, for every batch of more than one token)."
+    )
+)
 def remove_noop_squeezes(graph_module: GraphModule) -> int:
     """Replace squeezes that removed no axis when traced (the axis was not of size 1, as a
     symbolic axis never is under torch.export) by their input. torch squeezes an axis only when
@@ -93,7 +108,8 @@ def remove_noop_squeezes(graph_module: GraphModule) -> int:
         "remove_runtime_asserts",
         "remove_noop_conversions",
         "remove_noop_squeezes",
-    )
+    ),
+    remove_when=("Safe to leave out: the nodes it removes are unused; the graph, dumps and lowering then carry them."),
 )
 def dead_code_elimination(graph_module: GraphModule) -> int:
     """Remove nodes whose results are unused and that have no side effects."""
@@ -106,7 +122,12 @@ _TRANSPOSES = (aten.transpose.int, aten.permute.default, aten.t.default)
 _RESHAPES = (aten.reshape.default, aten.view.default)
 
 
-@graph_pass()
+@graph_pass(
+    remove_when=(
+        "Without it, a lowering that retraces (to_edge, torch.onnx) can fail with 'Cannot view a "
+        "tensor with shape ... and strides ...' (pytorch/pytorch#136543)."
+    )
+)
 def explicit_contiguous_copies(graph_module: GraphModule) -> int:
     """Make the copies that depend on a tensor's memory layout explicit: ``aten.contiguous``
     becomes ``aten.clone(memory_format=contiguous_format)``, and a reshape of a transposed tensor

@@ -44,7 +44,7 @@ def _covers_whole_input(node: Node) -> bool:
     return no_padding and all(d == 1 for d in _as_list(args.get("dilation", 1), rank)) and args.get("groups", 1) == 1
 
 
-@graph_pass()
+@graph_pass(remove_when="Safe to leave out: results agree to rounding; such convolutions then run as convolutions.")
 def whole_input_convolutions_as_linear(graph_module: GraphModule) -> int:
     """Rewrite a convolution whose kernel covers its whole (static) spatial input as a linear
     layer over the flattened input: ``conv(x, w, b)`` = ``linear(x.reshape(n, -1),
@@ -72,7 +72,12 @@ def _dynamic_axes(value: torch.Tensor) -> int:
     return sum(not isinstance(size, int) for size in value.shape)
 
 
-@graph_pass()
+@graph_pass(
+    remove_when=(
+        "Without it, a 1-D convolution over a dynamic batch and length stays out of XNNPACK on "
+        "ExecuTorch (a portable kernel)."
+    )
+)
 def dynamic_conv1d_as_conv2d(graph_module: GraphModule) -> int:
     """Rewrite a 1-D convolution whose input has more than one dynamic axis (batch and length:
     an audio encoder's feature extractor) as a 2-D one over ``x.unsqueeze(2)``, squeezed back.

@@ -262,6 +262,7 @@ class Int4WeightsInt8Activations(_DynamicallyQuantizedLinears):
     """8da4w: 4-bit weight groups and int8 per-token activations (torchao, XNNPACK)."""
 
     name = "int4_weights_int8_activations"
+    remove_when = "Appended by quantize='8da4w' (or 'int4'); leave it out for fp32 weights."
     description = "linear weights to symmetric 4-bit groups of group_size, inputs to int8 per token at run time (8da4w)"
     weight_dtype = torch.int4
     weight_bits = 4
@@ -307,6 +308,7 @@ class Int8WeightsInt8Activations(_DynamicallyQuantizedLinears):
     """8da8w: int8 per-channel weights and int8 per-token activations (torchao, XNNPACK)."""
 
     name = "int8_weights_int8_activations"
+    remove_when = "Appended by quantize='8da8w' (or 'int8'); leave it out for fp32 weights."
     description = "linear weights to int8 per output channel, inputs to int8 per token at run time (8da8w)"
 
     def __init__(self, algorithm: str = "affine") -> None:

@@ -62,7 +62,13 @@ def rotate_half_matrix(size: int, dtype: torch.dtype) -> torch.Tensor:
     return weight
 
 
-@register_pass(name="rotate_half_as_linear")
+@register_pass(
+    name="rotate_half_as_linear",
+    remove_when=(
+        "Without it, rotary embedding's slices of a dynamic axis stay out of XNNPACK, splitting each "
+        "layer's delegated graph."
+    ),
+)
 def rotate_half_as_linear(program: Any) -> PassResult:
     """Rewrite rotary embedding's ``rotate_half(x)`` (two slices of the last axis, a negation and a
     concatenation) as ``linear(x, w)`` with a constant -1/1 matrix: the same values, exactly.
@@ -159,7 +165,13 @@ class _ComplexAsReal:
         return edit.call(aten.mul.Tensor, pair, scale)
 
 
-@register_pass(name="complex_as_real")
+@register_pass(
+    name="complex_as_real",
+    remove_when=(
+        "Only for Dynamo: ONNX has no complex tensors and ExecuTorch's edge dialect takes no "
+        "view_as_complex, so a complex op left in fails the lowering."
+    ),
+)
 def complex_as_real(program: Any) -> PassResult:
     """Rewrite complex arithmetic (Llama 4's rotary embedding: ``polar``, ``view_as_complex``, a
     complex product, ``view_as_real``) as the same arithmetic on (real, imaginary) pairs in a

@@ -33,7 +33,8 @@ class Pass:
     one-line ``description``, optionally ``stage`` (the pipeline stage it belongs to, e.g.
     ``"fx_passes"`` or ``"onnx_passes"``) and the ordering constraints ``runs_after`` /
     ``runs_before`` (names of passes that, when present in the same list, must run before / after
-    this one), and implement ``__call__``.
+    this one), optionally ``remove_when`` (one line for the pass catalogue: when to leave it out
+    of a list, and what happens without it), and implement ``__call__``.
 
     A pass on an ``ExportedProgram`` rewrites ``program.graph_module`` in place or returns a new
     program; either way it must keep the graph signature valid (same user inputs, same number of
@@ -45,6 +46,7 @@ class Pass:
     stage: str = "fx_passes"
     runs_after: tuple[str, ...] = ()
     runs_before: tuple[str, ...] = ()
+    remove_when: str = ""
 
     def __call__(self, program: Any) -> PassResult:
         raise NotImplementedError
@@ -65,8 +67,10 @@ class FunctionPass(Pass):
         stage: str = "fx_passes",
         runs_after: Iterable[str] = (),
         runs_before: Iterable[str] = (),
+        remove_when: str = "",
     ) -> None:
         self.fn = fn
+        self.remove_when = remove_when
         self.name = name
         self.description = description or " ".join((inspect.getdoc(fn) or "").split("\n\n")[0].split())
         self.stage = stage
@@ -87,6 +91,7 @@ def register_pass(
     stage: str = "fx_passes",
     runs_after: Iterable[str] = (),
     runs_before: Iterable[str] = (),
+    remove_when: str = "",
 ) -> Any:
     """Register a pass under its name. Use on a :class:`Pass` instance or subclass, or as a
     decorator on a function ``fn(program) -> PassResult`` (``@register_pass`` or
@@ -99,7 +104,12 @@ def register_pass(
             instance = target()
         else:
             instance = FunctionPass(
-                target, name or target.__name__, stage=stage, runs_after=runs_after, runs_before=runs_before
+                target,
+                name or target.__name__,
+                stage=stage,
+                runs_after=runs_after,
+                runs_before=runs_before,
+                remove_when=remove_when,
             )
         if not instance.name:
             raise ConfigError(f"pass {target!r} has no name")
@@ -335,6 +345,7 @@ def graph_pass(
     *,
     runs_after: Iterable[str] = (),
     runs_before: Iterable[str] = (),
+    remove_when: str = "",
 ) -> Callable[[Callable[[Any], int]], Pass]:
     """Register ``fn(graph_module) -> int`` as an in-place pass over an ``ExportedProgram``'s graph.
 
@@ -355,6 +366,8 @@ def graph_pass(
             return PassResult(program, modified=bool(rewritten), counts={"rewritten": rewritten})
 
         functools.update_wrapper(run, fn)  # its module and source are fn's (a user pass stays the user's)
-        return register_pass(run, name=name or fn.__name__, runs_after=runs_after, runs_before=runs_before)
+        return register_pass(
+            run, name=name or fn.__name__, runs_after=runs_after, runs_before=runs_before, remove_when=remove_when
+        )
 
     return wrap

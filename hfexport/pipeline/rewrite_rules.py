@@ -129,7 +129,10 @@ def rule_pass(
     description: str = "",
     runs_after: Iterable[str] = (),
     runs_before: Iterable[str] = (),
+    remove_when: str = "",
 ) -> RulePass:
     """Register a :class:`RulePass` named ``name`` applying ``rules``. ``description`` is the
     pass's docstring: its first paragraph becomes the one-line description listed by the CLI."""
-    return register_pass(RulePass(name, rules, description=description, runs_after=runs_after, runs_before=runs_before))
+    rule_pass = RulePass(name, rules, description=description, runs_after=runs_after, runs_before=runs_before)
+    rule_pass.remove_when = remove_when
+    return register_pass(rule_pass)

@@ -34,7 +34,10 @@ def _last_axis_mean(node: torch.fx.Node) -> int | None:
     return size if isinstance(size, int) else None
 
 
-@register_pass(name="last_axis_mean_as_linear")
+@register_pass(
+    name="last_axis_mean_as_linear",
+    remove_when=("Without it, each RMSNorm's mean is a portable kernel splitting every delegated layer in three."),
+)
 def last_axis_mean_as_linear(program: Any) -> PassResult:
     """Rewrite ``mean(x, -1, keepdim=True)`` over a static last axis of size ``n`` (RMSNorm's
     variance) as ``linear(x, full([1, n], 1/n))``: XNNPACK only takes ``mean`` as a 4-D global

@@ -23,7 +23,7 @@ from hfexport.targets.manifest import INPUT_SHAPE, STATE_PREFIX
 EDGE_PASSES = "edge_passes"
 
 
-def edge_pass(fn: Callable[[torch.export.ExportedProgram], int]) -> Pass:
+def edge_pass(fn: Callable[[torch.export.ExportedProgram], int], remove_when: str = "") -> Pass:
     """Register ``fn(edge_program) -> int`` as a pass of the ``edge_passes`` stage: it rewrites
     the ``EdgeProgramManager``'s program in place and returns how many matches it rewrote."""
 
@@ -32,7 +32,7 @@ def edge_pass(fn: Callable[[torch.export.ExportedProgram], int]) -> Pass:
         return PassResult(edge, modified=bool(rewritten), counts={"rewritten": rewritten})
 
     functools.update_wrapper(run, fn)
-    return register_pass(run, name=fn.__name__, stage=EDGE_PASSES)
+    return register_pass(run, name=fn.__name__, stage=EDGE_PASSES, remove_when=remove_when)
 
 
 def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -349,15 +349,43 @@ def infer_the_dynamic_view_axis(program: torch.export.ExportedProgram) -> int:
 # which state_in_attention_layout needs), then the state's layout (its write then takes the
 # keys untransposed, which lets cancel_head_transposes take the key's rotary chain), then the
 # transposes, whose removal leaves the contiguous clones to drop.
-DEFAULT_EDGE_PASSES: tuple[str, ...] = tuple(
-    edge_pass(fn).name
-    for fn in (
+DEFAULT_EDGE_PASSES: tuple[str, ...] = (
+    edge_pass(
         drop_same_layout_copies,
+        remove_when=(
+            "Without it, a program writing its inputs (a static cache) copies the whole cache twice per layer and step."
+        ),
+    ).name,
+    edge_pass(
         drop_same_shape_expands,
+        remove_when=(
+            "Without it, matmul's expands copy the key cache per layer and split XNNPACK's "
+            "delegated graphs at a dynamic axis."
+        ),
+    ).name,
+    edge_pass(
         infer_the_dynamic_view_axis,
+        remove_when=("Without it, views with a symbolic size run on portable kernels between two delegated graphs."),
+    ).name,
+    edge_pass(
         state_in_attention_layout,
+        remove_when=(
+            "Without it, the fused attention kernel's keys are transposed out of the state cache at every step."
+        ),
+    ).name,
+    edge_pass(
         drop_same_shape_views,
+        remove_when=("Safe to leave out: the views it drops change no shape; without it they stay as copies."),
+    ).name,
+    edge_pass(
         cancel_head_transposes,
+        remove_when=(
+            "Safe to leave out (the same values in another memory order): without it each layer "
+            "keeps about six transposes, a few percent of a decode step."
+        ),
+    ).name,
+    edge_pass(
         drop_contiguous_clones,
-    )
+        remove_when=("Safe to leave out: without it, clones of already contiguous tensors stay as copies."),
+    ).name,
 )

@@ -19,7 +19,11 @@ from hfexport.pipeline.pass_manager import graph_pass
 aten = torch.ops.aten
 
 
-@graph_pass()
+@graph_pass(
+    remove_when=(
+        "Without it, histc has no ExecuTorch kernel and the lowering fails; its memory grows as values x bins."
+    )
+)
 def histc_to_comparisons(graph_module: GraphModule) -> int:
     """Rewrite ``histc(x, bins, min, max)`` (with min < max) as a one-hot comparison of each
     value's bin against ``arange(bins)``, summed: memory grows as len(x) x bins."""
@@ -53,7 +57,7 @@ def histc_to_comparisons(graph_module: GraphModule) -> int:
     return rewritten
 
 
-@graph_pass()
+@graph_pass(remove_when="Without it, sort has no ExecuTorch kernel and the lowering fails.")
 def sort_to_topk(graph_module: GraphModule) -> int:
     """Rewrite ``sort`` as ``topk`` over the whole axis (same values and indices; among equal
     values the order may differ, which every consumer of a stable-sort permutation in
@@ -73,7 +77,7 @@ def sort_to_topk(graph_module: GraphModule) -> int:
     return rewritten
 
 
-@graph_pass()
+@graph_pass(remove_when="Without it, empty_like has no portable kernel once in edge dialect and the lowering fails.")
 def empty_like_to_zeros_like(graph_module: GraphModule) -> int:
     """Rewrite ``empty_like`` (uninitialised memory, no portable kernel once in edge dialect) as
     ``zeros_like``, which has one; code that reads empty memory before writing it is a bug anyway."""
@@ -88,7 +92,11 @@ def empty_like_to_zeros_like(graph_module: GraphModule) -> int:
 _EMPTY_TO_ZEROS = {aten.new_empty.default: aten.new_zeros.default, aten.empty.memory_format: aten.zeros.default}
 
 
-@graph_pass()
+@graph_pass(
+    remove_when=(
+        "Without it, an empty of a symbolic size fixes its axes to the sample's for the whole ExecuTorch program."
+    )
+)
 def empty_of_symbolic_size_to_zeros(graph_module: GraphModule) -> int:
     """Rewrite ``new_empty`` / ``empty`` of a symbolic size as ``new_zeros`` / ``zeros``. to_edge
     turns an ``empty`` into ExecuTorch's ``_empty_dim_order``, whose size is ``int[]``: reading the

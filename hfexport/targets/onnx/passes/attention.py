@@ -318,7 +318,15 @@ class _Nodes:
         return (self.op("Mul", [output, sees]) if found.guarded else output), keys, values
 
 
-@register_pass(name="onnx_group_query_attention", stage="onnx_passes", runs_after=["onnx_ort_fusions"])
+@register_pass(
+    name="onnx_group_query_attention",
+    stage="onnx_passes",
+    runs_after=["onnx_ort_fusions"],
+    remove_when=(
+        "For a runtime other than ONNX Runtime (GroupQueryAttention is a com.microsoft kernel); "
+        "without it, attention reads the whole cache as matmuls."
+    ),
+)
 def onnx_group_query_attention(program: Any) -> PassResult:
     """Each layer's attention over a static cache as one ONNX Runtime ``GroupQueryAttention``,
     which writes the new keys and values into the cache and attends over the written slots.

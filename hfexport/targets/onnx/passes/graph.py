@@ -51,7 +51,14 @@ def _split_to_sequence_of_unknown_split(original: Any) -> Any:
     return lookup_evaluators
 
 
-@register_pass(name="onnx_optimizer", stage="onnx_passes")
+@register_pass(
+    name="onnx_optimizer",
+    stage="onnx_passes",
+    remove_when=(
+        "OnnxConfig(optimize=False) leaves it out: the model then keeps torch.onnx's graph unfolded "
+        "(larger, slower), and the ORT fusions find less to fuse."
+    ),
+)
 def onnx_optimizer(program: Any) -> PassResult:
     """The onnxscript optimizer: constant folding, dead code removal, function inlining, its
     default rewrite rules but one (``SlicesSplit``, and its no-op rules made exact: see
@@ -123,7 +130,15 @@ def _exact_no_op_rules(rules: list[Any]) -> list[Any]:
     return [rule for rule in rules if id(rule) not in arithmetic] + exact_rules
 
 
-@register_pass(name="onnx_ort_fusions", stage="onnx_passes", runs_after=["onnx_optimizer"])
+@register_pass(
+    name="onnx_ort_fusions",
+    stage="onnx_passes",
+    runs_after=["onnx_optimizer"],
+    remove_when=(
+        "For a runtime other than ONNX Runtime (its com.microsoft kernels); without it, norms and "
+        "rotary embeddings run as plain ONNX ops."
+    ),
+)
 def onnx_ort_fusions(program: Any) -> PassResult:
     """RMS norms and rotary embeddings as ONNX Runtime's fused kernels, counts per fusion.
 

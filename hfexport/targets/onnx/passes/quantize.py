@@ -97,6 +97,7 @@ class OnnxInt4Weights(Pass):
     ``float_attention=False`` gives the attention projections int8 inputs too."""
 
     name = "onnx_int4_weights"
+    remove_when = "Appended by quantize='int4'; leave it out for fp32 weights."
     description = "MatMul weights to 4-bit blocks of group_size (ONNX Runtime MatMulNBits); activations int8 on the fly"
     stage = "onnx_passes"
     runs_after = ("onnx_optimizer",)
@@ -297,6 +298,7 @@ class OnnxInt8Dynamic(Pass):
     """int8 MatMul weights and dynamically quantized int8 activations (ONNX Runtime quantize_dynamic)."""
 
     name = "onnx_int8_dynamic"
+    remove_when = "Appended by quantize='int8'; leave it out for fp32 weights."
     description = "int8 MatMul weights, activations quantized to int8 at run time (ONNX Runtime quantize_dynamic)"
     stage = "onnx_passes"
     runs_after = ("onnx_optimizer",)
