@@ -150,8 +150,9 @@ def target_reading(path: str | Path) -> Target:
     for suffix in sorted(readers, key=len, reverse=True):
         if Path(path).name.endswith(suffix):
             return readers[suffix]
+    kinds = ", ".join(list(readers)[:-1]) + f" or {list(readers)[-1]}" if len(readers) > 1 else "".join(readers)
     raise ArtifactError(
-        f"{path}: a program for passes is a {' or '.join(readers)} file (a failing pass's dumped "
+        f"{path}: a program for passes is a {kinds} file (a failing pass's dumped "
         f"input{'/input'.join(readers)}), not {Path(path).suffix or 'a file without a suffix'}"
     )
 

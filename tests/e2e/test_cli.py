@@ -101,7 +101,7 @@ def test_export_executorch(tmp_path):
     )
     assert (out / "model.pte").is_file() and (out / "hfexport.json").is_file()
     assert not list(out.glob("*.pte.json"))  # the manifest replaced the sidecar
-    assert (dumps / "03_delegate" / "delegation.md").is_file()
+    assert (dumps / "05_delegate" / "delegation.md").is_file()
     assert "| delegate |" in result.stdout
     # to_edge deep-copies tree specs, and torch warns about its own LeafSpec on each copy
     assert "FutureWarning" not in result.stderr

@@ -363,7 +363,7 @@ def test_executorch_decode_defaults_to_one_row_and_delegates_each_layer_whole(tm
     prompt = sample_inputs(model, 2, 6)
     config = ExecutorchConfig(dynamic=True, verify=True, dump_dir=str(tmp_path / "dump"))
     export = export_folder(model, prompt, config, tmp_path / "out")
-    delegation = (tmp_path / "dump" / "decode" / "03_delegate" / "delegation.md").read_text()
+    delegation = (tmp_path / "dump" / "decode" / "05_delegate" / "delegation.md").read_text()
     subgraphs = int(delegation.splitlines()[0].split(":")[1])
     assert subgraphs <= 2 * 2 + 2, delegation  # 20 with a dynamic batch
     # the logits' last position; attention_as_custom_sdpa's first keys of the mask and of the two
@@ -401,9 +401,9 @@ def test_executorch_decode_attends_on_custom_sdpa(tmp_path):
     prompt = sample_inputs(model, 1, 6)
     config = ExecutorchConfig(dynamic=True, verify=True, dump_dir=str(tmp_path / "dump"))
     export = export_folder(model, prompt, config, tmp_path / "out")
-    delegation = (tmp_path / "dump" / "decode" / "03_delegate" / "delegation.md").read_text()
+    delegation = (tmp_path / "dump" / "decode" / "05_delegate" / "delegation.md").read_text()
     assert "| llama_custom_sdpa_default | 0 | 2 |" in delegation
-    edge = (tmp_path / "dump" / "decode" / "02_to_edge" / "graph.txt").read_text()
+    edge = (tmp_path / "dump" / "decode" / "04_edge_passes" / "graph.txt").read_text()  # the edge program delegated
     assert 'cache_layers_0_keys: "f32[1, 32, 2, 16]"' in edge  # [batch, length, heads, dim]
     # the kernel reads the written buffers' first rows, as many as the mask's last visible key
     first_rows = dict(

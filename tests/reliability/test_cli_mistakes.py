@@ -76,7 +76,7 @@ def generation_export(tmp_path_factory, saved_llama):
         (["replay", "{tmp}/missing.onnx", "--passes", "onnx_optimizer"], ["missing.onnx does not exist"]),
         (["replay", "{tmp}/bad.onnx", "--passes", "onnx_optimizer"], ["not a readable ONNX model", "DecodeError"]),
         (["replay", "{tmp}/empty.onnx", "--passes", "onnx_optimizer"], ["holds no ONNX graph"]),
-        (["replay", "{tmp}/file.txt", "--passes", "onnx_optimizer"], ["a .pt2 or .onnx file", "not .txt"]),
+        (["replay", "{tmp}/file.txt", "--passes", "onnx_optimizer"], ["a .pt2, .onnx or .edge.pt2 file", "not .txt"]),
     ],
 )
 def test_a_mistake_is_one_line(tmp_path, capsys, argv, words):

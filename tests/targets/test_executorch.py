@@ -135,7 +135,7 @@ def test_the_cuda_backend_is_refused_when_the_config_is_built_naming_what_is_mis
 def test_delegation_summary_shows_linear_layers_on_xnnpack(tmp_path):
     model = build("tiny-llama")
     result = ExecutorchExporter().run(model, sample_inputs(model), ExecutorchConfig(dynamic=True, dump_dir=tmp_path))
-    summary = (tmp_path / "03_delegate" / "delegation.md").read_text()
+    summary = (tmp_path / "05_delegate" / "delegation.md").read_text()
     # q, k, v, o, gate, up, down per layer, and lm_head; the 2 x 2 + 1 RMSNorm means, which
     # last_axis_mean_as_linear turns into one-output linear layers XNNPACK takes; and the 2 x 2
     # rotate_half calls of the queries' and keys' rotary embedding (rotate_half_as_linear)
@@ -143,7 +143,7 @@ def test_delegation_summary_shows_linear_layers_on_xnnpack(tmp_path):
     assert f"| aten_linear_default | {linears} | 0 |" in summary
     assert "aten_mean_dim" not in summary
     assert result.record("delegate").counts["delegated_nodes"] > 0
-    assert (tmp_path / "04_to_executorch" / "program.pte").is_file()
+    assert (tmp_path / "06_to_executorch" / "program.pte").is_file()
 
 
 def test_portable_backend_delegates_nothing_and_matches():
