@@ -145,6 +145,10 @@ def run_case(
     base = {"type": model_type, "kind": record["kind"], "cls": record["cls"]}
     if targets:
         hfexport_targets(model, inputs, second, eager, eager2, targets, base, out)
+    # before transformers' exporters: they register their own pytree nodes for the cache classes,
+    # after which hfexport's .pt2 pickled the StaticCache (XGLM, VaultGemma, Video-LLaVA: refused
+    # when loaded, and passing in a case of their own)
+    generation_case(model, inputs, base, generation_targets, out)
     for target in transformers_targets:
         out.put(
             {
@@ -153,7 +157,6 @@ def run_case(
                 **transformers_case(model, inputs, second, eager, eager2, target),
             }
         )
-    generation_case(model, inputs, base, generation_targets, out)
 
 
 def hfexport_targets(model, inputs, second, eager, eager2, targets, base, out) -> None:
