@@ -41,6 +41,8 @@ def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
         elif "dynamic_shapes" not in values and ("dynamic" not in values or args.dynamic or args.generation):
             # dynamic by default; the decode graph must take any query length (a prompt, then one token)
             values["dynamic"] = True
+        if args.generation and not args.spec_io and export_format == "onnx":
+            values.setdefault("genai", True)
         if args.passes is not None:
             values["passes"] = args.passes
         if args.dtype is not None:
@@ -130,6 +132,7 @@ class Interrupts:
 
 def _export(args: argparse.Namespace) -> int:
     from hfexport.exporters import run_for_generation, run_targets
+    from hfexport.models.generation import runtime_facts
     from hfexport.models.loading import load_model, model_folder
     from hfexport.models.processor_inputs import sample_inputs_for
     from hfexport.models.tasks import infer_task
@@ -158,6 +161,11 @@ def _export(args: argparse.Namespace) -> int:
         # would otherwise hold beside its converted one to the end
         model, _ = in_dtype(model, {}, next(iter(dtypes)), configs)
     source = model_folder(args.model)
+    if getattr(model.config, "is_encoder_decoder", False):
+        # ONNX Runtime GenAI's generic decoder runs a decoder-only model: an encoder-decoder keeps the spec's interface
+        for config in configs:
+            if getattr(config, "genai", False) and not args.spec_io:
+                config.genai = False
     task = args.task or infer_task(model.config)
     batch = args.batch
     if batch is None:
@@ -200,7 +208,11 @@ def _export(args: argparse.Namespace) -> int:
             # a recurrent decode (Mamba) takes one token per step even when several were asked for
             decode = results.get("decode")
             query = decode.captured.sample_shapes.get("input_ids", [0, 1])[1] if decode else 1
-            generation = {"max_cache_len": args.max_cache_len, "multi_token_decode": query > 1}
+            generation = {
+                "max_cache_len": args.max_cache_len,
+                "multi_token_decode": query > 1,
+                "model": runtime_facts(model),
+            }
             Interrupts.check()
             manifest = save_export(folder, results, generation=generation, model_folder=source)
             for spec in manifest.components.values():
@@ -445,6 +457,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="static cache length with --generation: the prompt and the answer together (a batch-1 ExecuTorch "
         "step reads only the filled slots; a program of several rows reads the whole cache each step)",
+    )
+    export.add_argument(
+        "--spec-io",
+        action="store_true",
+        help="with --generation, give a decoder-only model's decode graph hfexport's own interface (the loop feeds "
+        "its masks and token counters) instead of the runtime's (onnx: ONNX Runtime GenAI's, with a "
+        "genai_config.json); hfexport generate runs either",
     )
     export.add_argument(
         "--components",

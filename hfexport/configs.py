@@ -237,6 +237,10 @@ class OnnxConfig(DynamoConfig):
             pass list. ``verify`` then checks the logits' cosine similarity (at least 0.98) and
             reports it with the top-1 agreement.
         quantize_group_size: the int4 block size (a power of two, at least 16).
+        genai: give a decoder-only decode graph ONNX Runtime GenAI's interface (the
+            ``genai_io`` stage, after ``onnx_passes``) so ``og.Generator`` runs the export
+            folder, which then holds a ``genai_config.json``; hfexport's own loops run it too.
+            ``False`` keeps the spec's interface (4-D masks and token counters fed by the loop).
     """
 
     export_format: ClassVar[str] = "onnx"
@@ -245,9 +249,12 @@ class OnnxConfig(DynamoConfig):
     optimize: bool = True
     quantize: str | None = None
     quantize_group_size: int = 32
+    genai: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.genai, bool):
+            raise ConfigError(f"OnnxConfig genai must be True or False, got {_given(self.genai)}")
         if self.quantize not in (None, "int4", "int8"):
             raise ConfigError(f"OnnxConfig quantize must be None, 'int4' or 'int8', got {self.quantize!r}")
         if self.opset_version is not None:

@@ -117,10 +117,13 @@ class DecodeMasks:
             return mask
         return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
 
-    def structured(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
-        """The mask, or ``{layer type: mask}``, as the model's ``attention_mask`` argument."""
+    def rules(self) -> dict[str, tuple[int | None, int | None]]:
+        """``{input path: (window, chunk)}`` of each mask the decode graph takes (see
+        :func:`decode_mask`): what every implementation of the mask rule (these numpy masks, the
+        ONNX and ExecuTorch graphs' own) builds each mask input from. Empty for a 2-D mask over
+        the cache's slots, which is the slots' validity alone."""
         if self.key_padding_length is not None:
-            return valid.to(self.dtypes.get(self.name, torch.long))
+            return {}
         if self.layer_types is None:
             # one mask serves every layer: when the cache's layers are windowed, all of them are
             # (Mistral, whose mask function applies the window to 2-D masks only)
@@ -128,17 +131,23 @@ class DecodeMasks:
             if others:
                 key, span = None, None
             chunk = span if key == "chunked_attention" else None
-            window = None if chunk is not None else span
-            return self._typed(self.name, decode_mask(valid, query_slots, window, chunk))
+            return {self.name: (None if chunk is not None else span, chunk)}
         return {
-            key: self._typed(
-                f"{self.name}.{key}",
-                decode_mask(valid, query_slots, None, self.chunks[key])
-                if key in self.chunks
-                else decode_mask(valid, query_slots, self.windows.get(key)),
-            )
+            f"{self.name}.{key}": (None, self.chunks[key]) if key in self.chunks else (self.windows.get(key), None)
             for key in self.layer_types
         }
+
+    def structured(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
+        """The mask, or ``{layer type: mask}``, as the model's ``attention_mask`` argument."""
+        if self.key_padding_length is not None:
+            return valid.to(self.dtypes.get(self.name, torch.long))
+        masks = {
+            path: self._typed(path, decode_mask(valid, query_slots, window, chunk))
+            for path, (window, chunk) in self.rules().items()
+        }
+        if self.layer_types is None:
+            return masks[self.name]
+        return {path.split(".", 1)[1]: mask for path, mask in masks.items()}
 
     def by_input_path(self, valid: torch.Tensor, query_slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """The masks by flat input path (``attention_mask`` or ``attention_mask.<layer type>``)."""

@@ -56,6 +56,12 @@ class Target:
         it carries a cache or a recurrent state from step to step."""
         return config
 
+    def runtime_loop(self, config: Any) -> str | None:
+        """The runtime generation loop a generation export with ``config`` is made for (its name:
+        "ONNX Runtime GenAI"), which runs the ``decode`` component alone; ``None``: hfexport's
+        own loops, which run every component (the default)."""
+        return None
+
     def batch_of_one(self, config: Any) -> bool:
         """Whether a generation export with ``config`` takes one sequence at a time (its sample
         is then cut to its first row before the generation loop is decomposed)."""
@@ -73,6 +79,11 @@ class Target:
     def save(self, program: Any, path: Path) -> None:
         """Write the artifact of ``program`` to ``path``."""
         raise NotImplementedError
+
+    def runtime_files(self, manifest: Manifest) -> dict[str, str]:
+        """``{file name: text}`` written beside the programs for the runtime's own loaders (ONNX
+        Runtime GenAI's ``genai_config.json``); none by default."""
+        return {}
 
     def load_program(self, path: Path, trust: bool = False) -> Any:
         """Read back a program that :meth:`save` wrote (or a failing pass's dumped ``input<suffix>``)
@@ -202,6 +213,8 @@ def save_export(
         model = next(iter(results.values())).model_name
         manifest = Manifest(target.name, components, model=model, generation=generation, versions=_versions())
         manifest.write(staging)
+        for file, text in target.runtime_files(manifest).items():
+            (staging / file).write_text(text)
         for file in model_files(model_folder):
             shutil.copy2(file, staging / file.name)
         stale = set()
