@@ -10,10 +10,10 @@ like an input (a dynamic cache returned grown) is ``present.<path>``.
 from __future__ import annotations
 
 import collections
-import json
 import contextlib
 import copy
 import functools
+import json
 import operator
 import tempfile
 from pathlib import Path
@@ -372,7 +372,9 @@ def translatable_program(program: torch.export.ExportedProgram, registry: Any) -
 
 
 def to_onnx(
-    program: torch.export.ExportedProgram, opset_version: int | None = None, attention_windows: dict[str, int] | None = None
+    program: torch.export.ExportedProgram,
+    opset_version: int | None = None,
+    attention_windows: dict[str, int] | None = None,
 ) -> torch.onnx.ONNXProgram:
     """Translate an ``ExportedProgram`` to ONNX with torch.onnx (translation only: the optimizer
     runs as the ``onnx_optimizer`` pass), its inputs and outputs named as :func:`onnx_component` says.
@@ -549,9 +551,8 @@ def snapshot_onnx(program: torch.onnx.ONNXProgram) -> torch.onnx.ONNXProgram:
 def run_onnx_program(program: torch.onnx.ONNXProgram, inputs: dict[str, Any]) -> list[Any]:
     """Save to a temporary file and run it in a real ONNX Runtime session; the tensor outputs,
     in order."""
-    from hfexport.targets.onnx.runner import OnnxRunner
-
     from hfexport.targets.onnx.passes.genai import INTERFACE, INTERFACE_KEY, genai_feed
+    from hfexport.targets.onnx.runner import OnnxRunner
 
     spec = onnx_component(program)
     if program.model.metadata_props.get(INTERFACE_KEY) == INTERFACE:

@@ -54,14 +54,15 @@ def _io(graph: Any) -> tuple[dict[tuple[int, str], Any], list[Any], dict[str, An
         elif name == MASK or name.startswith(f"{MASK}."):
             masks[name] = value
         elif name == "position_ids" and (value.shape is None or value.shape.rank() != 2):
-            raise _refuse(f"its position_ids have {value.shape.rank()} axes (multimodal rotary positions), ORT GenAI feeds 2")
+            rank = value.shape.rank() if value.shape is not None else "unknown"
+            raise _refuse(f"its position_ids have {rank} axes (multimodal rotary positions), ORT GenAI feeds 2")
         elif name not in ("input_ids", "position_ids"):
             others.append(name)
     if others:
         state = " (a recurrent or convolution state)" if any(n.startswith("input.cache.") for n in others) else ""
         raise _refuse(f"it takes {', '.join(others)}{state}, which ORT GenAI does not feed")
     if not caches or not masks:
-        raise _refuse("it has no static key/value cache with an attention mask (it runs the whole sequence at each step)")
+        raise _refuse("it has no static key/value cache with an attention mask (it runs the whole sequence each step)")
     for layer in {layer for layer, _ in caches}:
         keys, values = caches.get((layer, "key")), caches.get((layer, "value"))
         if keys is None or values is None:
