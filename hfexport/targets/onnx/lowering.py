@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from torch.export.graph_signature import ConstantArgument, ExportGraphSignature, OutputKind, TensorArgument
 from torch.export.graph_signature import OutputSpec as SignatureOutput
@@ -548,19 +549,26 @@ def snapshot_onnx(program: torch.onnx.ONNXProgram) -> torch.onnx.ONNXProgram:
     return torch.onnx.ONNXProgram(model, program.exported_program)
 
 
-def run_onnx_program(program: torch.onnx.ONNXProgram, inputs: dict[str, Any]) -> list[Any]:
+def run_onnx_program(program: torch.onnx.ONNXProgram, inputs: dict[str, Any]) -> list[Any] | dict[str, Any]:
     """Save to a temporary file and run it in a real ONNX Runtime session; the tensor outputs,
-    in order."""
+    in order (by path for a graph in ONNX Runtime GenAI's interface, fed the sample as
+    :func:`~.passes.genai.genai_feed` makes it)."""
     from hfexport.targets.onnx.passes.genai import INTERFACE, INTERFACE_KEY, genai_feed
     from hfexport.targets.onnx.runner import OnnxRunner
 
     spec = onnx_component(program)
-    if program.model.metadata_props.get(INTERFACE_KEY) == INTERFACE:
-        inputs = genai_feed(inputs)
+    genai = program.model.metadata_props.get(INTERFACE_KEY) == INTERFACE
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "model.onnx"
         save_onnx(program, path)
-        return OnnxRunner(path, spec).run(inputs, tensors_only=True)
+        if not genai:
+            return OnnxRunner(path, spec).run(inputs, tensors_only=True)
+        outputs = OnnxRunner(path, spec).run(genai_feed(inputs), tensors_only=True)
+    # by path, as eager returns them; None for the token counters, which ORT GenAI's interface derives
+    tensors = [torch.from_numpy(np.asarray(output)) for output in outputs]
+    returned = dict(zip([o.path for o in spec.returned if o.kind != "scalar"], tensors, strict=True))
+    original = program_component(program.exported_program).returned
+    return {o.path: returned.get(o.path) for o in original if o.kind != "scalar"}
 
 
 register_artifact_kind(

@@ -96,25 +96,27 @@ class _Builder:
 
 def _derived_mask(op: _Builder, valid: Any, slots: Any, cache_len: int, window: int | None, chunk: int | None) -> Any:
     """``decode_mask``'s rule, in-graph: bool ``[batch, 1, S, C]`` from ``valid`` [batch, C] and
-    the new tokens' ``slots`` [S]."""
+    the new tokens' ``slots`` [S]. Windows and chunks count a row's tokens, not columns: ORT
+    GenAI's right-padded batches leave the padding as holes between a row's prompt and its new
+    tokens (with hfexport's left padding the two counts are the same)."""
     import numpy as np
 
     columns = op.constant(np.arange(cache_len, dtype=np.int64)[None, :])  # [1, C]
     queries = op("Unsqueeze", slots, op.constant(np.array([1], np.int64)))  # [S, 1]
-    visible = op("LessOrEqual", columns, queries)  # [S, C]
-    if window is not None:
-        visible = op("And", visible, op("Greater", columns, op("Sub", queries, op.constant(np.array(window)))))
-    rows = op("Unsqueeze", valid, op.constant(np.array([1, 2], np.int64)))  # [batch, 1, 1, C]
-    if chunk is None:
-        return op("And", op("Unsqueeze", visible, op.constant(np.array([0, 1], np.int64))), rows)
-    # chunks counted from each row's first token (its left padding), as decode_mask counts them
-    first = op("ArgMax", op("Cast", valid, to=6), axis=1, keepdims=1)  # [batch, 1]
-    first = op("Unsqueeze", first, op.constant(np.array([2], np.int64)))  # [batch, 1, 1]
-    size = op.constant(np.array(chunk, np.int64))
-    key_chunk = op("Div", op("Sub", columns, first), size)  # [batch, 1, C]
-    query_chunk = op("Div", op("Sub", queries, first), size)  # [batch, S, 1]
-    same = op("And", op("Equal", key_chunk, query_chunk), visible)  # [batch, S, C]
-    return op("And", op("Unsqueeze", same, op.constant(np.array([1], np.int64))), rows)
+    visible = op("Unsqueeze", op("LessOrEqual", columns, queries), op.constant(np.array([0], np.int64)))  # [1, S, C]
+    if window is not None or chunk is not None:
+        rank = op("CumSum", op("Cast", valid, to=7), op.constant(np.array(1, np.int64)))  # [batch, C]: tokens so far
+        key_rank = op("Unsqueeze", rank, op.constant(np.array([1], np.int64)))  # [batch, 1, C]
+        query_rank = op("Unsqueeze", op("Gather", rank, slots, axis=1), op.constant(np.array([2], np.int64)))
+        if window is not None:  # [batch, S, C]
+            visible = op("And", visible, op("Less", op("Sub", query_rank, key_rank), op.constant(np.array(window))))
+        else:  # one chunk of ``chunk`` tokens, counted from the row's first
+            one, size = op.constant(np.array(1, np.int64)), op.constant(np.array(chunk, np.int64))
+            key_chunk = op("Div", op("Sub", key_rank, one), size)
+            query_chunk = op("Div", op("Sub", query_rank, one), size)
+            visible = op("And", visible, op("Equal", key_chunk, query_chunk))
+    rows = op("Unsqueeze", valid, op.constant(np.array([1], np.int64)))  # [batch, 1, C]
+    return op("Unsqueeze", op("And", visible, rows), op.constant(np.array([1], np.int64)))
 
 
 def _typed(op: _Builder, mask: Any, like: Any) -> Any:
@@ -233,8 +235,8 @@ def genai_component(spec: Any) -> Any:
 
     from hfexport.targets.manifest import InputSpec, OutputSpec
 
-    cache = next(i for i in spec.inputs if _CACHE.match(f"input.{i.path}") and len(i.shape) == 4)
-    cache_len = cache.shape[2]
+    # without the capture's record (a program read back), the inputs have no sample shapes
+    cache_len = next((i.shape[2] for i in spec.inputs if _CACHE.match(f"input.{i.path}") and len(i.shape) == 4), None)
     ids = next(i for i in spec.inputs if i.path == "input_ids")
     inputs = []
     for given in spec.inputs:
@@ -244,14 +246,15 @@ def genai_component(spec: Any) -> Any:
             given = replace(given, name=_genai_name(given.path, "input"))
         inputs.append(given)
         if given.path == "input_ids":
-            width = min(cache_len, max(given.shape[1], 1))
             inputs.append(
                 InputSpec(
                     name=MASK,
                     path=MASK,
                     dtype="int64",
-                    shape=[given.shape[0], width],
-                    dynamic={**({0: ids.dynamic[0]} if 0 in ids.dynamic else {}), 1: [1, cache_len]},
+                    shape=list(given.shape),
+                    dynamic={**({0: ids.dynamic[0]} if 0 in ids.dynamic else {}), 1: [1, cache_len]}
+                    if given.shape
+                    else {},
                     dims={**({0: ids.dims[0]} if 0 in ids.dims else {}), 1: "total_sequence_length"},
                 )
             )
