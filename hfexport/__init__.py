@@ -30,6 +30,7 @@ from hfexport.exporters import (
     run_for_generation,
     run_targets,
 )
+from hfexport.generation import Sampling
 from hfexport.models.caches import register_pytree_node
 from hfexport.models.generation import decompose_for_generation
 from hfexport.pipeline.capture import Captured
@@ -84,6 +85,7 @@ __all__ = [
     "Patch",
     "Pipeline",
     "PipelineResult",
+    "Sampling",
     "StageError",
     "StepRecord",
     "Target",

@@ -238,16 +238,20 @@ def _shapes(inputs: dict[str, Any]) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from hfexport.generation import Sampling
     from hfexport.text_generator import load
 
     if args.chat and args.prompt_ids is not None:
         raise ConfigError("--chat applies a chat template to --prompt text; token ids are taken as given")
+    if args.temperature == 0 and (args.top_k, args.top_p, args.seed) != (None, None, None):
+        raise ConfigError("--top-k, --top-p and --seed shape sampling: give a --temperature above 0 as well")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     generator = load(args.export_dir, trust=args.trust_artifact)
     if args.audio is not None:
         if not Path(args.audio).is_file():
             raise HfExportError(f"--audio {args.audio}: no such file")
         result = generator.generate(
-            None, args.max_new_tokens, chat=args.chat, stream=lambda text: None, audio=args.audio
+            None, args.max_new_tokens, chat=args.chat, stream=lambda text: None, audio=args.audio, sampling=sampling
         )
         # a speech model's answer as token ids (model.generate's), then its text when the folder has a tokenizer
         print(",".join(map(str, result.tokens)))
@@ -258,13 +262,22 @@ def _generate(args: argparse.Namespace) -> int:
             prompt: Any = [int(token) for token in args.prompt_ids.split(",")]
         except ValueError as error:
             raise HfExportError(f"--prompt-ids takes comma-separated integers, got {args.prompt_ids!r}") from error
-        result = generator.generate(prompt, args.max_new_tokens)
+        result = generator.generate(prompt, args.max_new_tokens, sampling=sampling)
         print(",".join(map(str, result.tokens)))
     else:
-        result = generator.generate(
-            args.prompt, args.max_new_tokens, chat=args.chat, stream=lambda text: print(text, end="", flush=True)
-        )
-        print()
+        for index, text in enumerate(args.prompt):
+            if len(args.prompt) > 1:
+                print(f"{'' if index == 0 else chr(10)}[{index + 1}/{len(args.prompt)}] {text}", flush=True)
+            stream = lambda piece: print(piece, end="", flush=True)  # noqa: E731
+            result = generator.generate(text, args.max_new_tokens, chat=args.chat, stream=stream, sampling=sampling)
+            print()
+            if index < len(args.prompt) - 1:
+                _print_figures(result)
+    _print_figures(result)
+    return 0
+
+
+def _print_figures(result: Any) -> None:
     print(result.figures(), file=sys.stderr)
     if result.stop == "cache full":
         print(
@@ -273,7 +286,6 @@ def _generate(args: argparse.Namespace) -> int:
             "for a longer answer",
             file=sys.stderr,
         )
-    return 0
 
 
 def _passes(args: argparse.Namespace) -> int:
@@ -477,7 +489,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("export_dir", help="a folder written by `hfexport export ... --generation`")
     prompt = generate.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the prompt text (tokenised with the export's tokenizer)")
+    prompt.add_argument(
+        "--prompt",
+        action="append",
+        help="the prompt text (tokenised with the export's tokenizer); give it again for several prompts, answered "
+        "one after another",
+    )
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     prompt.add_argument(
         "--audio",
@@ -490,6 +507,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="stop after this many new tokens (default: at an end-of-sequence token or when the static cache is full)",
     )
+    generate.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample each token from the logits divided by this (default 0: greedy, the argmax)",
+    )
+    generate.add_argument("--top-k", type=positive_int, help="with --temperature, sample among the k likeliest tokens")
+    generate.add_argument(
+        "--top-p", type=float, help="with --temperature, sample among the likeliest tokens whose probability reaches p"
+    )
+    generate.add_argument("--seed", type=int, help="with --temperature, the random seed (repeatable answers)")
     generate.add_argument("--trust-artifact", action="store_true", help=TRUST_HELP)
     generate.set_defaults(run=_generate)
 

@@ -9,6 +9,7 @@ import onnx
 import onnxruntime_genai as og
 import pytest
 import torch
+from models import build, build_llava, build_mamba, build_sliding_window
 from transformers import GenerationConfig
 
 from hfexport import ExportFolder, OnnxConfig, OnnxExporter, UnsupportedModelError, save_export
@@ -16,7 +17,6 @@ from hfexport.cli import main
 from hfexport.exporters import run_for_generation
 from hfexport.generation import greedy_decode
 from hfexport.models.generation import runtime_facts
-from tests.models import build, build_llava, build_mamba, build_sliding_window
 
 NEW_TOKENS = 12
 
