@@ -18,6 +18,9 @@ from hfexport.models.tasks import TASKS
 from hfexport.targets import target_names
 from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
 
+# the config field that gives a target's decoder-only generation export its runtime's own interface
+RUNTIME_IO = {"onnx": "genai", "executorch": "llm_runner"}
+
 
 def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
     """One config per target: the ``--config`` JSON (flat, or one section per target name), then the flags."""
@@ -41,8 +44,9 @@ def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
         elif "dynamic_shapes" not in values and ("dynamic" not in values or args.dynamic or args.generation):
             # dynamic by default; the decode graph must take any query length (a prompt, then one token)
             values["dynamic"] = True
-        if args.generation and not args.spec_io and export_format == "onnx":
-            values.setdefault("genai", True)
+        runtime_io = RUNTIME_IO.get(export_format)
+        if args.generation and not args.spec_io and runtime_io:  # the runtime's own generation loop runs the decode
+            values.setdefault(runtime_io, True)
         if args.passes is not None:
             values["passes"] = args.passes
         if args.dtype is not None:
@@ -162,10 +166,11 @@ def _export(args: argparse.Namespace) -> int:
         model, _ = in_dtype(model, {}, next(iter(dtypes)), configs)
     source = model_folder(args.model)
     if getattr(model.config, "is_encoder_decoder", False):
-        # ONNX Runtime GenAI's generic decoder runs a decoder-only model: an encoder-decoder keeps the spec's interface
+        # the runtimes' own loops run a decoder-only model: an encoder-decoder keeps the spec's interface
         for config in configs:
-            if getattr(config, "genai", False) and not args.spec_io:
-                config.genai = False
+            for field in RUNTIME_IO.values():
+                if getattr(config, field, False) and not args.spec_io:
+                    setattr(config, field, False)
     task = args.task or infer_task(model.config)
     batch = args.batch
     if batch is None:
@@ -475,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --generation, give a decoder-only model's decode graph hfexport's own interface (the loop feeds "
         "its masks and token counters) instead of the runtime's (onnx: ONNX Runtime GenAI's, with a "
-        "genai_config.json); hfexport generate runs either",
+        "genai_config.json; executorch: the LLM runner's forward(tokens, input_pos)); hfexport generate runs either",
     )
     export.add_argument(
         "--components",

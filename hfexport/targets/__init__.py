@@ -297,7 +297,8 @@ class ExportFolder:
         # the targets' decoders run an attention cache (4-D keys and values under cache.*, a
         # hybrid's convolution states beside them) with its mask; a step without one carries a
         # recurrent state only (Mamba's, 4-D for Mamba-2; RWKV's state.*), fed back by path
-        masked = any(i.path.startswith("attention_mask") for i in decode.inputs)
+        # (or a runtime's interface, whose program derives its masks: decode.interface)
+        masked = bool(decode.interface) or any(i.path.startswith("attention_mask") for i in decode.inputs)
         attention = masked and any(i.path.startswith("cache.") and len(i.shape) == 4 for i in decode.inputs)
         fed = ("input_ids", "position_ids", "attention_mask")
         states = [i.path for i in decode.inputs if len(i.shape) >= 2 and not i.path.startswith(fed)]
