@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hfexport.errors import ConfigError, HfExportError
+from hfexport.errors import ConfigError, HfExportError, RuntimeInterfaceError
 from hfexport.models.tasks import TASKS
 from hfexport.targets import target_names
 from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
@@ -45,8 +45,11 @@ def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
             # dynamic by default; the decode graph must take any query length (a prompt, then one token)
             values["dynamic"] = True
         runtime_io = RUNTIME_IO.get(export_format)
-        if args.generation and not args.spec_io and runtime_io:  # the runtime's own generation loop runs the decode
-            values.setdefault(runtime_io, True)
+        # the runtime's own generation loop runs the decode alone (components asked for besides: hfexport's loop)
+        decode_only = args.components is None or [c.strip() for c in args.components.split(",")] == ["decode"]
+        if args.generation and not args.spec_io and runtime_io and decode_only and runtime_io not in values:
+            values[runtime_io] = True
+            args.defaulted_runtime_io = True  # a model it cannot express falls back to hfexport's own interface
         if args.passes is not None:
             values["passes"] = args.passes
         if args.dtype is not None:
@@ -197,17 +200,37 @@ def _export(args: argparse.Namespace) -> int:
         # through its prefill, then one token per step (a decode traced on two merged tokens kept
         # runtime checks that a slice of them is at least two long: BERT2BERT's positions)
         several_tokens = not getattr(model.config, "is_encoder_decoder", False)
-        by_component = run_for_generation(
-            model,
-            inputs,
-            configs,
-            generation_config,
-            several_tokens,
-            progress,
-            on_component=announce,
-            components=components,
-            skip_unused_prefill=components is None,
-        )
+
+        def export_components() -> dict[str, Any]:
+            return run_for_generation(
+                model,
+                inputs,
+                configs,
+                generation_config,
+                several_tokens,
+                progress,
+                on_component=announce,
+                components=components,
+                skip_unused_prefill=components is None,
+            )
+
+        try:
+            by_component = export_components()
+        except RuntimeInterfaceError as error:
+            if not getattr(args, "defaulted_runtime_io", False):
+                raise
+            # the runtimes' own interfaces are the default where a model fits them; this one does not
+            why = str(error).split("; export it in hfexport's own interface")[0]
+            print(
+                f"hfexport: {why}: exporting hfexport's own interface instead (hfexport generate runs it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            for config in configs:
+                for field in RUNTIME_IO.values():
+                    if getattr(config, field, False):
+                        setattr(config, field, False)
+            by_component = export_components()
         for export_format, folder in folders.items():
             results = {name: by_target[export_format] for name, by_target in by_component.items()}
             # a recurrent decode (Mamba) takes one token per step even when several were asked for

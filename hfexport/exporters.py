@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from hfexport.configs import DynamoConfig, _encode_dim
-from hfexport.errors import ConfigError, HfExportError, UnsupportedModelError
+from hfexport.errors import ConfigError, HfExportError, RuntimeInterfaceError
 from hfexport.models import TRANSFORMERS
 from hfexport.pipeline.capture import Captured
 from hfexport.pipeline.dynamic_shapes import AxisBounds
@@ -277,13 +277,13 @@ def run_for_generation(
     loops = _runtime_loops(configs)
     unused = skip_unused_prefill and _takes_several_tokens(found.get("decode", (None, {}))[1])
     # a runtime's own loop feeds its decode graph the prompt too, at once or a token at a time
-    if (unused or loops) and set(found) == {"prefill", "decode"}:
+    if (unused or (loops and components is None)) and set(found) == {"prefill", "decode"}:
         selected.pop("prefill", None)
     if loops and list(selected) != ["decode"]:
-        raise UnsupportedModelError(
+        raise RuntimeInterfaceError(
             f"{loops[0]} runs a decoder-only model's decode graph alone; {type(model).__name__}'s generation "
-            f"has the components {', '.join(selected)} (a prompt step, an encoder or a recurrent state): "
-            "export with --spec-io to run it with hfexport generate"
+            f"has the components {', '.join(selected)} (a prompt step, an encoder or a recurrent state): export it "
+            "in hfexport's own interface (--spec-io) to run it with hfexport generate"
         )
     results = {}
     for index, (name, (module, kwargs)) in enumerate(selected.items()):

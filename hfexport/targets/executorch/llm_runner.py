@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hfexport.errors import UnsupportedModelError
+from hfexport.errors import RuntimeInterfaceError
 
 if TYPE_CHECKING:
     from hfexport.pipeline.pipeline import PipelineRun
@@ -30,10 +30,10 @@ def _counter(path: str) -> bool:
     return path.startswith("cache.layers.") and path.endswith(".cumulative_length")
 
 
-def _refuse(what: str) -> UnsupportedModelError:
-    return UnsupportedModelError(
-        f"ExecuTorch's LLM runner cannot run this decode program: {what}; export with --spec-io "
-        "(ExecutorchConfig(llm_runner=False)) to run it with hfexport generate"
+def _refuse(what: str) -> RuntimeInterfaceError:
+    return RuntimeInterfaceError(
+        f"ExecuTorch's LLM runner cannot run this decode program: {what}; export it in hfexport's own interface "
+        "(ExecutorchConfig(llm_runner=False), --spec-io) to run it with hfexport generate"
     )
 
 

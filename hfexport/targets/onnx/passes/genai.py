@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from hfexport.errors import UnsupportedModelError
+from hfexport.errors import RuntimeInterfaceError
 
 INTERFACE = "onnxruntime-genai"
 INTERFACE_KEY = "hfexport.interface"  # the ONNX model's metadata_props: the interface it was given
@@ -30,10 +30,10 @@ _CACHE = re.compile(r"^(input|output)\.cache\.layers\.(\d+)\.(keys|values|cumula
 _KIND = {"keys": "key", "values": "value"}
 
 
-def _refuse(what: str) -> UnsupportedModelError:
-    return UnsupportedModelError(
-        f"ONNX Runtime GenAI cannot run this decode graph: {what}; export with --spec-io (OnnxConfig(genai=False)) "
-        "to run it with hfexport generate"
+def _refuse(what: str) -> RuntimeInterfaceError:
+    return RuntimeInterfaceError(
+        f"ONNX Runtime GenAI cannot run this decode graph: {what}; export it in hfexport's own interface "
+        "(OnnxConfig(genai=False), --spec-io) to run it with hfexport generate"
     )
 
 
@@ -142,7 +142,7 @@ def genai_io(program: Any) -> Any:
     ``past_key_values.N.key`` / ``.value`` and their write-backs ``present.N.key`` / ``.value``;
     the counters' write-backs go. A graph with an input ORT GenAI does not feed (a recurrent
     state, multimodal positions, token types), no key/value cache, or keys and values of different
-    head sizes is refused with :class:`~hfexport.UnsupportedModelError` naming it.
+    head sizes is refused with :class:`~hfexport.errors.RuntimeInterfaceError` naming it.
 
     A stage, not a pass: it changes the graph's inputs and outputs (as ExecuTorch's
     ``program_state`` does), which no pass may; it runs after the ONNX passes, so the attention
