@@ -22,6 +22,16 @@ from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
 RUNTIME_IO = {"onnx": "genai", "executorch": "llm_runner"}
 
 
+def _without_runtime_io(configs: list[Any]) -> list[Any]:
+    """``configs`` asking for hfexport's own generation interface, not a runtime's."""
+    import dataclasses
+
+    return [
+        dataclasses.replace(config, **{field: False for field in RUNTIME_IO.values() if getattr(config, field, False)})
+        for config in configs
+    ]
+
+
 def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
     """One config per target: the ``--config`` JSON (flat, or one section per target name), then the flags."""
     from hfexport.auto import AutoExportConfig
@@ -170,10 +180,7 @@ def _export(args: argparse.Namespace) -> int:
     source = model_folder(args.model)
     if getattr(model.config, "is_encoder_decoder", False):
         # the runtimes' own loops run a decoder-only model: an encoder-decoder keeps the spec's interface
-        for config in configs:
-            for field in RUNTIME_IO.values():
-                if getattr(config, field, False) and not args.spec_io:
-                    setattr(config, field, False)
+        configs = _without_runtime_io(configs)
     task = args.task or infer_task(model.config)
     batch = args.batch
     if batch is None:
@@ -226,10 +233,7 @@ def _export(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            for config in configs:
-                for field in RUNTIME_IO.values():
-                    if getattr(config, field, False):
-                        setattr(config, field, False)
+            configs[:] = _without_runtime_io(configs)
             by_component = export_components()
         for export_format, folder in folders.items():
             results = {name: by_target[export_format] for name, by_target in by_component.items()}
