@@ -58,8 +58,14 @@ def tiny_with_tokenizer(preset: str, tokenizer, folder) -> torch.nn.Module:
     return model
 
 
-# Gemma3: a sliding window of 4, which the 16 new tokens leave behind
-@pytest.mark.parametrize("preset", ["tiny-llama", pytest.param("tiny-qwen3", marks=pytest.mark.slow), "tiny-gemma3"])
+# Gemma3: a sliding window of 4, which the 16 new tokens leave behind, and full-attention layers
+# (Llama and Qwen3 in make test-all: an ExecuTorch export of each takes a minute here)
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "preset", [pytest.param("tiny-llama", marks=SLOW), pytest.param("tiny-qwen3", marks=SLOW), "tiny-gemma3"]
+)
 def test_a_generation_program_runs_in_executorch_s_llm_runner_and_in_hfexport(preset, tokenizer, tmp_path):
     from executorch.runtime import Runtime
 
@@ -88,6 +94,7 @@ def test_a_generation_program_runs_in_executorch_s_llm_runner_and_in_hfexport(pr
     assert torch.equal(greedy_decode(step, ids, 16, step.max_cache_len, eos_token_id=eos), reference)
 
 
+@pytest.mark.slow  # an ExecuTorch export; the command line's fallback to it is in make test (test_coverage_generation)
 def test_spec_io_keeps_the_spec_interface(tmp_path):
     out = tmp_path / "out"
     export = ["export", "tiny-llama", "--format", "executorch", "--generation", "--max-cache-len", "32"]
