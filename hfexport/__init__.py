@@ -17,6 +17,7 @@ from hfexport.errors import (
     HfExportError,
     PassError,
     PassOrderError,
+    RuntimeInterfaceError,
     StageError,
     UnsupportedModelError,
     VerificationError,
@@ -30,6 +31,7 @@ from hfexport.exporters import (
     run_for_generation,
     run_targets,
 )
+from hfexport.generation import Sampling
 from hfexport.models.caches import register_pytree_node
 from hfexport.models.generation import decompose_for_generation
 from hfexport.pipeline.capture import Captured
@@ -84,6 +86,8 @@ __all__ = [
     "Patch",
     "Pipeline",
     "PipelineResult",
+    "RuntimeInterfaceError",
+    "Sampling",
     "StageError",
     "StepRecord",
     "Target",

@@ -13,10 +13,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
-from hfexport.errors import ConfigError, HfExportError
+from hfexport.errors import ConfigError, HfExportError, RuntimeInterfaceError
 from hfexport.models.tasks import TASKS
 from hfexport.targets import target_names
 from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
+
+# the config field that gives a target's decoder-only generation export its runtime's own interface
+RUNTIME_IO = {"onnx": "genai", "executorch": "llm_runner"}
+
+
+def _without_runtime_io(configs: list[Any]) -> list[Any]:
+    """``configs`` asking for hfexport's own generation interface, not a runtime's."""
+    import dataclasses
+
+    return [
+        dataclasses.replace(config, **{field: False for field in RUNTIME_IO.values() if getattr(config, field, False)})
+        for config in configs
+    ]
 
 
 def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
@@ -41,6 +54,12 @@ def _configs(args: argparse.Namespace, formats: list[str]) -> list[Any]:
         elif "dynamic_shapes" not in values and ("dynamic" not in values or args.dynamic or args.generation):
             # dynamic by default; the decode graph must take any query length (a prompt, then one token)
             values["dynamic"] = True
+        runtime_io = RUNTIME_IO.get(export_format)
+        # the runtime's own generation loop runs the decode alone (components asked for besides: hfexport's loop)
+        decode_only = args.components is None or [c.strip() for c in args.components.split(",")] == ["decode"]
+        if args.generation and not args.spec_io and runtime_io and decode_only and runtime_io not in values:
+            values[runtime_io] = True
+            args.defaulted_runtime_io = True  # a model it cannot express falls back to hfexport's own interface
         if args.passes is not None:
             values["passes"] = args.passes
         if args.dtype is not None:
@@ -130,6 +149,7 @@ class Interrupts:
 
 def _export(args: argparse.Namespace) -> int:
     from hfexport.exporters import run_for_generation, run_targets
+    from hfexport.models.generation import runtime_facts
     from hfexport.models.loading import load_model, model_folder
     from hfexport.models.processor_inputs import sample_inputs_for
     from hfexport.models.tasks import infer_task
@@ -158,6 +178,9 @@ def _export(args: argparse.Namespace) -> int:
         # would otherwise hold beside its converted one to the end
         model, _ = in_dtype(model, {}, next(iter(dtypes)), configs)
     source = model_folder(args.model)
+    if getattr(model.config, "is_encoder_decoder", False):
+        # the runtimes' own loops run a decoder-only model: an encoder-decoder keeps the spec's interface
+        configs = _without_runtime_io(configs)
     task = args.task or infer_task(model.config)
     batch = args.batch
     if batch is None:
@@ -184,23 +207,44 @@ def _export(args: argparse.Namespace) -> int:
         # through its prefill, then one token per step (a decode traced on two merged tokens kept
         # runtime checks that a slice of them is at least two long: BERT2BERT's positions)
         several_tokens = not getattr(model.config, "is_encoder_decoder", False)
-        by_component = run_for_generation(
-            model,
-            inputs,
-            configs,
-            generation_config,
-            several_tokens,
-            progress,
-            on_component=announce,
-            components=components,
-            skip_unused_prefill=components is None,
-        )
+
+        def export_components() -> dict[str, Any]:
+            return run_for_generation(
+                model,
+                inputs,
+                configs,
+                generation_config,
+                several_tokens,
+                progress,
+                on_component=announce,
+                components=components,
+                skip_unused_prefill=components is None,
+            )
+
+        try:
+            by_component = export_components()
+        except RuntimeInterfaceError as error:
+            if not getattr(args, "defaulted_runtime_io", False):
+                raise
+            # the runtimes' own interfaces are the default where a model fits them; this one does not
+            why = str(error).split("; export it in hfexport's own interface")[0]
+            print(
+                f"hfexport: {why}: exporting hfexport's own interface instead (hfexport generate runs it)",
+                file=sys.stderr,
+                flush=True,
+            )
+            configs[:] = _without_runtime_io(configs)
+            by_component = export_components()
         for export_format, folder in folders.items():
             results = {name: by_target[export_format] for name, by_target in by_component.items()}
             # a recurrent decode (Mamba) takes one token per step even when several were asked for
             decode = results.get("decode")
             query = decode.captured.sample_shapes.get("input_ids", [0, 1])[1] if decode else 1
-            generation = {"max_cache_len": args.max_cache_len, "multi_token_decode": query > 1}
+            generation = {
+                "max_cache_len": args.max_cache_len,
+                "multi_token_decode": query > 1,
+                "model": runtime_facts(model),
+            }
             Interrupts.check()
             manifest = save_export(folder, results, generation=generation, model_folder=source)
             for spec in manifest.components.values():
@@ -226,16 +270,20 @@ def _shapes(inputs: dict[str, Any]) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from hfexport.generation import Sampling
     from hfexport.text_generator import load
 
     if args.chat and args.prompt_ids is not None:
         raise ConfigError("--chat applies a chat template to --prompt text; token ids are taken as given")
+    if args.temperature == 0 and (args.top_k, args.top_p, args.seed) != (None, None, None):
+        raise ConfigError("--top-k, --top-p and --seed shape sampling: give a --temperature above 0 as well")
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     generator = load(args.export_dir, trust=args.trust_artifact)
     if args.audio is not None:
         if not Path(args.audio).is_file():
             raise HfExportError(f"--audio {args.audio}: no such file")
         result = generator.generate(
-            None, args.max_new_tokens, chat=args.chat, stream=lambda text: None, audio=args.audio
+            None, args.max_new_tokens, chat=args.chat, stream=lambda text: None, audio=args.audio, sampling=sampling
         )
         # a speech model's answer as token ids (model.generate's), then its text when the folder has a tokenizer
         print(",".join(map(str, result.tokens)))
@@ -246,13 +294,22 @@ def _generate(args: argparse.Namespace) -> int:
             prompt: Any = [int(token) for token in args.prompt_ids.split(",")]
         except ValueError as error:
             raise HfExportError(f"--prompt-ids takes comma-separated integers, got {args.prompt_ids!r}") from error
-        result = generator.generate(prompt, args.max_new_tokens)
+        result = generator.generate(prompt, args.max_new_tokens, sampling=sampling)
         print(",".join(map(str, result.tokens)))
     else:
-        result = generator.generate(
-            args.prompt, args.max_new_tokens, chat=args.chat, stream=lambda text: print(text, end="", flush=True)
-        )
-        print()
+        for index, text in enumerate(args.prompt):
+            if len(args.prompt) > 1:
+                print(f"{'' if index == 0 else chr(10)}[{index + 1}/{len(args.prompt)}] {text}", flush=True)
+            stream = lambda piece: print(piece, end="", flush=True)  # noqa: E731
+            result = generator.generate(text, args.max_new_tokens, chat=args.chat, stream=stream, sampling=sampling)
+            print()
+            if index < len(args.prompt) - 1:
+                _print_figures(result)
+    _print_figures(result)
+    return 0
+
+
+def _print_figures(result: Any) -> None:
     print(result.figures(), file=sys.stderr)
     if result.stop == "cache full":
         print(
@@ -261,7 +318,6 @@ def _generate(args: argparse.Namespace) -> int:
             "for a longer answer",
             file=sys.stderr,
         )
-    return 0
 
 
 def _passes(args: argparse.Namespace) -> int:
@@ -447,6 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
         "step reads only the filled slots; a program of several rows reads the whole cache each step)",
     )
     export.add_argument(
+        "--spec-io",
+        action="store_true",
+        help="with --generation, give a decoder-only model's decode graph hfexport's own interface (the loop feeds "
+        "its masks and token counters) instead of the runtime's (onnx: ONNX Runtime GenAI's, with a "
+        "genai_config.json; executorch: the LLM runner's forward(tokens, input_pos)); hfexport generate runs either",
+    )
+    export.add_argument(
         "--components",
         help="with --generation, the comma-separated components to export (default: all but a decoder-only "
         "model's prefill when its decode takes the prompt; e.g. prefill,decode)",
@@ -458,7 +521,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("export_dir", help="a folder written by `hfexport export ... --generation`")
     prompt = generate.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="the prompt text (tokenised with the export's tokenizer)")
+    prompt.add_argument(
+        "--prompt",
+        action="append",
+        help="the prompt text (tokenised with the export's tokenizer); give it again for several prompts, answered "
+        "one after another",
+    )
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     prompt.add_argument(
         "--audio",
@@ -471,6 +539,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         help="stop after this many new tokens (default: at an end-of-sequence token or when the static cache is full)",
     )
+    generate.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample each token from the logits divided by this (default 0: greedy, the argmax)",
+    )
+    generate.add_argument("--top-k", type=positive_int, help="with --temperature, sample among the k likeliest tokens")
+    generate.add_argument(
+        "--top-p", type=float, help="with --temperature, sample among the likeliest tokens whose probability reaches p"
+    )
+    generate.add_argument("--seed", type=int, help="with --temperature, the random seed (repeatable answers)")
     generate.add_argument("--trust-artifact", action="store_true", help=TRUST_HELP)
     generate.set_defaults(run=_generate)
 

@@ -237,6 +237,10 @@ class OnnxConfig(DynamoConfig):
             pass list. ``verify`` then checks the logits' cosine similarity (at least 0.98) and
             reports it with the top-1 agreement.
         quantize_group_size: the int4 block size (a power of two, at least 16).
+        genai: give a decoder-only decode graph ONNX Runtime GenAI's interface (the
+            ``genai_io`` stage, after ``onnx_passes``) so ``og.Generator`` runs the export
+            folder, which then holds a ``genai_config.json``; hfexport's own loops run it too.
+            ``False`` keeps the spec's interface (4-D masks and token counters fed by the loop).
     """
 
     export_format: ClassVar[str] = "onnx"
@@ -245,9 +249,12 @@ class OnnxConfig(DynamoConfig):
     optimize: bool = True
     quantize: str | None = None
     quantize_group_size: int = 32
+    genai: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.genai, bool):
+            raise ConfigError(f"OnnxConfig genai must be True or False, got {_given(self.genai)}")
         if self.quantize not in (None, "int4", "int8"):
             raise ConfigError(f"OnnxConfig quantize must be None, 'int4' or 'int8', got {self.quantize!r}")
         if self.opset_version is not None:
@@ -355,6 +362,13 @@ class ExecutorchConfig(DynamoConfig):
             linear layers. ``verify`` then checks the logits' cosine similarity (at least 0.98)
             and reports it with the top-1 agreement.
         quantize_group_size: the 8da4w group size (a multiple of 32, for XNNPACK).
+        llm_runner: give a decoder-only decode program the interface of ExecuTorch's LLM runner
+            (the ``llm_runner_io`` stage, after ``program_state``): ``forward(input_ids,
+            cache_position) → logits`` with the cache inside and the runner's constant methods, so
+            ``TextLLMRunner`` (and ``llama_main``, the demo apps) runs the ``.pte`` with the
+            tokenizer beside it; hfexport's own loops run it too. ``False`` keeps the spec's
+            interface (masks, positions and token counters fed by the loop). Needs
+            ``cache_in_program`` and ``alloc_graph_input``.
 
     ExecuTorch plans memory for the largest allowed shapes, so every dynamic axis needs an upper
     bound: an explicit ``Dim(max=...)`` is kept, and an unbounded axis (``dynamic=True``, or a
@@ -374,9 +388,17 @@ class ExecutorchConfig(DynamoConfig):
     quantize: str | None = None
     quantize_group_size: int = 32
     cache_in_program: bool = True
+    llm_runner: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not isinstance(self.llm_runner, bool):
+            raise ConfigError(f"ExecutorchConfig llm_runner must be True or False, got {_given(self.llm_runner)}")
+        if self.llm_runner and not (self.cache_in_program and self.alloc_graph_input):
+            raise ConfigError(
+                "ExecutorchConfig llm_runner=True keeps the cache inside the program (ExecuTorch's LLM runner feeds "
+                "none): it needs cache_in_program=True and alloc_graph_input=True"
+            )
         if self.quantize not in (None, "8da4w", "8da8w", "int4", "int8"):
             raise ConfigError(
                 f"ExecutorchConfig quantize must be None, '8da4w' (or 'int4') or '8da8w' (or 'int8'), "

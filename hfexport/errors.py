@@ -17,6 +17,12 @@ class UnsupportedModelError(HfExportError):
     """The model is set up in a way no exporter supports (e.g. its attention implementation)."""
 
 
+class RuntimeInterfaceError(UnsupportedModelError):
+    """A model's generation cannot be given a runtime's own interface (ONNX Runtime GenAI's, ExecuTorch's LLM
+    runner's): it needs an input that runtime does not feed, or components besides one decode graph. hfexport's
+    own interface (``genai=False`` / ``llm_runner=False``, the command line's ``--spec-io``) still exports it."""
+
+
 class CaptureError(HfExportError):
     """``torch.export`` failed to capture the model."""
 

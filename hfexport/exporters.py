@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from hfexport.configs import DynamoConfig, _encode_dim
-from hfexport.errors import ConfigError, HfExportError
+from hfexport.errors import ConfigError, HfExportError, RuntimeInterfaceError
 from hfexport.models import TRANSFORMERS
 from hfexport.pipeline.capture import Captured
 from hfexport.pipeline.dynamic_shapes import AxisBounds
@@ -274,8 +274,17 @@ def run_for_generation(
             f"{', '.join(found)}"
         )
     selected = {name: found[name] for name in found if components is None or name in components}
-    if skip_unused_prefill and set(found) == {"prefill", "decode"} and _takes_several_tokens(found["decode"][1]):
+    loops = _runtime_loops(configs)
+    unused = skip_unused_prefill and _takes_several_tokens(found.get("decode", (None, {}))[1])
+    # a runtime's own loop feeds its decode graph the prompt too, at once or a token at a time
+    if (unused or (loops and components is None)) and set(found) == {"prefill", "decode"}:
         selected.pop("prefill", None)
+    if loops and list(selected) != ["decode"]:
+        raise RuntimeInterfaceError(
+            f"{loops[0]} runs a decoder-only model's decode graph alone; {type(model).__name__}'s generation "
+            f"has the components {', '.join(selected)} (a prompt step, an encoder or a recurrent state): export it "
+            "in hfexport's own interface (--spec-io) to run it with hfexport generate"
+        )
     results = {}
     for index, (name, (module, kwargs)) in enumerate(selected.items()):
         carries_state = any(holds_cache(value) for value in kwargs.values())  # a cache, RWKV's state
@@ -319,6 +328,17 @@ def run_for_generation(
         except Exception as error:
             raise HfExportError(f"component {name!r} failed: {type(error).__name__}: {error}") from error
     return results
+
+
+def _runtime_loops(configs: Sequence[Any]) -> list[str]:
+    """The runtime generation loops (see :meth:`~hfexport.targets.Target.runtime_loop`) ``configs`` ask for."""
+    found = []
+    for config in configs:
+        for one in config.values() if isinstance(config, dict) else [config]:
+            loop = get_target(one.export_format).runtime_loop(one)
+            if loop is not None and loop not in found:
+                found.append(loop)
+    return found
 
 
 def _query_fixed_above_one(by_target: dict[str, PipelineResult]) -> bool:

@@ -117,10 +117,13 @@ class DecodeMasks:
             return mask
         return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
 
-    def structured(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
-        """The mask, or ``{layer type: mask}``, as the model's ``attention_mask`` argument."""
+    def rules(self) -> dict[str, tuple[int | None, int | None]]:
+        """``{input path: (window, chunk)}`` of each mask the decode graph takes (see
+        :func:`decode_mask`): what every implementation of the mask rule (these numpy masks, the
+        ONNX and ExecuTorch graphs' own) builds each mask input from. Empty for a 2-D mask over
+        the cache's slots, which is the slots' validity alone."""
         if self.key_padding_length is not None:
-            return valid.to(self.dtypes.get(self.name, torch.long))
+            return {}
         if self.layer_types is None:
             # one mask serves every layer: when the cache's layers are windowed, all of them are
             # (Mistral, whose mask function applies the window to 2-D masks only)
@@ -128,17 +131,23 @@ class DecodeMasks:
             if others:
                 key, span = None, None
             chunk = span if key == "chunked_attention" else None
-            window = None if chunk is not None else span
-            return self._typed(self.name, decode_mask(valid, query_slots, window, chunk))
+            return {self.name: (None if chunk is not None else span, chunk)}
         return {
-            key: self._typed(
-                f"{self.name}.{key}",
-                decode_mask(valid, query_slots, None, self.chunks[key])
-                if key in self.chunks
-                else decode_mask(valid, query_slots, self.windows.get(key)),
-            )
+            f"{self.name}.{key}": (None, self.chunks[key]) if key in self.chunks else (self.windows.get(key), None)
             for key in self.layer_types
         }
+
+    def structured(self, valid: torch.Tensor, query_slots: torch.Tensor) -> Any:
+        """The mask, or ``{layer type: mask}``, as the model's ``attention_mask`` argument."""
+        if self.key_padding_length is not None:
+            return valid.to(self.dtypes.get(self.name, torch.long))
+        masks = {
+            path: self._typed(path, decode_mask(valid, query_slots, window, chunk))
+            for path, (window, chunk) in self.rules().items()
+        }
+        if self.layer_types is None:
+            return masks[self.name]
+        return {path.split(".", 1)[1]: mask for path, mask in masks.items()}
 
     def by_input_path(self, valid: torch.Tensor, query_slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """The masks by flat input path (``attention_mask`` or ``attention_mask.<layer type>``)."""
@@ -330,6 +339,53 @@ class PromptInChunks:
         return logits
 
 
+@dataclass
+class Sampling:
+    """How the decode loop picks each next token from the last logits: the argmax with
+    ``temperature`` 0 (greedy, the default), else a draw from the softmax of the logits divided
+    by ``temperature``, kept to the ``top_k`` likeliest tokens and then to the smallest set whose
+    probability reaches ``top_p`` (transformers' order of the same warpers). ``seed`` makes the
+    draws repeatable (``None``: a fresh seed)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise HfExportError(f"temperature must be 0 (greedy) or more, got {self.temperature!r}")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise HfExportError(f"top_k must be a positive integer, got {self.top_k!r}")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise HfExportError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        self.generator = torch.Generator()
+        if self.seed is not None:
+            self.generator.manual_seed(self.seed)
+        else:
+            self.generator.seed()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[batch, 1]``: the next token of each row from its last logits."""
+        if self.greedy:
+            return _last_argmax(logits)
+        scores = logits[:, -1].float() / self.temperature
+        if self.top_k is not None and self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1:
+            ordered, order = torch.sort(scores, descending=True, dim=-1)
+            probabilities = ordered.softmax(dim=-1)
+            # drop a token once the likelier ones alone reach top_p (the likeliest always stays)
+            dropped = probabilities.cumsum(dim=-1) - probabilities >= self.top_p
+            scores = scores.scatter(-1, order, ordered.masked_fill(dropped, float("-inf")))
+        return torch.multinomial(scores.softmax(dim=-1), 1, generator=self.generator)
+
+
 def greedy_decode(
     step: Any,
     prompt_ids: torch.Tensor,
@@ -339,6 +395,7 @@ def greedy_decode(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int = 0,
     on_token: Callable[[torch.Tensor], None] | None = None,
+    sampling: Sampling | None = None,
 ) -> torch.Tensor:
     """Greedy generation with a static-cache decode graph that takes a whole prompt and then
     one token per call.
@@ -352,6 +409,8 @@ def greedy_decode(
 
     A ``step`` with a ``reset()`` method (every target's decoder) is reset first: the graph writes
     at its cache's token counters, so one decoder serves any number of generations.
+
+    ``sampling`` (a :class:`Sampling`) draws each token instead of taking the argmax.
     """
     batch, prompt_len = prompt_ids.shape
     if prompt_len + max_new_tokens > max_cache_len:
@@ -365,6 +424,7 @@ def greedy_decode(
     prompt_mask = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask.long()
     if callable(reset := getattr(step, "reset", None)):
         reset()
+    pick = sampling if sampling is not None else _last_argmax
     valid = torch.zeros(batch, max_cache_len, dtype=torch.long)
     valid[:, :prompt_len] = prompt_mask
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
@@ -377,7 +437,7 @@ def greedy_decode(
     written = valid.numpy()
     next_position = positions[:, -1:].numpy() + 1
     for index in range(max_new_tokens):
-        next_token = _last_argmax(logits)
+        next_token = pick(logits)
         if len(stops):
             next_token = torch.where(finished[:, None], torch.full_like(next_token, pad_token_id), next_token)
             finished |= torch.isin(next_token[:, 0], stops)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from hfexport.errors import HfExportError
-from hfexport.generation import DecodeMasks, Generation, PromptInChunks, TokenStream, greedy_decode
+from hfexport.generation import DecodeMasks, Generation, PromptInChunks, Sampling, TokenStream, greedy_decode
 
 # generation-config settings that change greedy tokens and that this loop does not apply: refused
 # (the default value of each is what it has when unset)
@@ -368,10 +368,11 @@ class EncoderDecoderGenerator:
         encoded: dict[str, torch.Tensor],
         max_new_tokens: int | None = None,
         on_token: Callable[[torch.Tensor], None] | None = None,
+        sampling: Sampling | None = None,
     ) -> torch.Tensor:
         """``[batch, decoder prompt + new]`` token ids from the encoder inputs ``encoded``, as
         ``model.generate(**encoded, do_sample=False, max_new_tokens=...)`` gives them
-        (``None``: until EOS or the static cache is full)."""
+        (``None``: until EOS or the static cache is full); drawn as ``sampling`` says, if given."""
         prompt = self.decoder_prompt()
         room = self.max_cache_len - len(prompt)
         if max_new_tokens is None:
@@ -397,6 +398,7 @@ class EncoderDecoderGenerator:
             eos_token_id=self.eos_token_id or None,
             pad_token_id=0 if pad is None else int(pad),
             on_token=on_token,
+            sampling=sampling,
         )
 
     def generate(
@@ -406,11 +408,12 @@ class EncoderDecoderGenerator:
         chat: bool = False,
         stream: Callable[[str], None] | None = None,
         audio: Any = None,
+        sampling: Sampling | None = None,
     ) -> Generation:
-        """Greedy generation from a text prompt (or token ids), or from ``audio`` (a WAV path or
+        """Generation from a text prompt (or token ids), or from ``audio`` (a WAV path or
         ``(samples, sampling rate)``) for a speech model: the new tokens after the decoder prompt,
         their text (with a tokenizer), and the speed figures, as
-        :meth:`~hfexport.text_generator.TextGenerator.generate`."""
+        :meth:`~hfexport.text_generator.TextGenerator.generate` (greedy unless ``sampling``)."""
         if chat:
             raise HfExportError(
                 "--chat applies a decoder-only model's chat template; an encoder-decoder takes the text"
@@ -419,7 +422,7 @@ class EncoderDecoderGenerator:
         encoded = self.encoder_inputs(prompt, audio)
         tokens = TokenStream(self.tokenizer, stream)
         room = self.max_cache_len - len(self.decoder_prompt())
-        self.generate_ids(encoded, max_new_tokens, tokens)
+        self.generate_ids(encoded, max_new_tokens, tokens, sampling)
         prompt_tokens = int(encoded["input_ids"].shape[1]) if "input_ids" in encoded else 0
         cache_full = len(tokens.tokens) == room and max_new_tokens is None
         return tokens.generation(prompt_tokens, started, self.eos_token_id, cache_full)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hfexport.errors import HfExportError
-from hfexport.generation import Generation, TokenStream, greedy_decode
+from hfexport.generation import Generation, Sampling, TokenStream, greedy_decode
 from hfexport.seq2seq import EncoderDecoderGenerator, is_encoder_decoder_export
 from hfexport.targets import ExportFolder
 from hfexport.targets.manifest import Manifest
@@ -100,10 +100,12 @@ class TextGenerator:
         chat: bool = False,
         stream: Callable[[str], None] | None = None,
         audio: Any = None,
+        sampling: Sampling | None = None,
     ) -> Generation:
-        """Greedy generation until an EOS token or ``max_new_tokens`` (``None``: until the static
-        cache is full); ``stream(text)`` receives the decoded text piece by piece as tokens come
-        (needs the tokenizer). ``audio`` is refused: a decoder-only export takes text."""
+        """Generation until an EOS token or ``max_new_tokens`` (``None``: until the static cache
+        is full), greedy unless ``sampling`` (a :class:`~hfexport.generation.Sampling`) says
+        otherwise; ``stream(text)`` receives the decoded text piece by piece as tokens come (needs
+        the tokenizer). ``audio`` is refused: a decoder-only export takes text."""
         if audio is not None:
             raise HfExportError(f"{self.folder} holds a decoder-only text model, which takes no audio; give a prompt")
         prompt_ids = self.encode(prompt, chat)
@@ -124,6 +126,7 @@ class TextGenerator:
             self.decoder.max_cache_len,
             eos_token_id=self.eos_token_id or None,
             on_token=tokens,
+            sampling=sampling,
         )
         return tokens.generation(prompt_ids.shape[1], started, self.eos_token_id, cache_full=len(tokens.tokens) == room)
 

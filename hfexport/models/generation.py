@@ -529,3 +529,29 @@ def _find_attribute(model: torch.nn.Module, name: str) -> Any:
         if module is not None and hasattr(module, name):
             return getattr(module, name)
     return None
+
+
+def runtime_facts(model: torch.nn.Module) -> dict[str, Any]:
+    """What a runtime's own generation loop needs to know about ``model`` besides its decode
+    graph: its special token ids (``eos_token_id`` as a list: the generation config's, else the
+    config's), vocabulary size, hidden size and attention heads (the text model's, for a
+    multimodal one). Recorded in the export manifest's ``generation`` entry; the targets write
+    their runtimes' configs from it (ONNX Runtime GenAI's ``genai_config.json``)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    generation = getattr(model, "generation_config", None)
+
+    def token(name: str) -> Any:
+        value = getattr(generation, name, None)
+        return value if value is not None else getattr(config, name, None)
+
+    eos = token("eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else [int(i) for i in eos]
+    facts = {
+        "bos_token_id": token("bos_token_id"),
+        "eos_token_id": eos,
+        "pad_token_id": token("pad_token_id"),
+        "vocab_size": getattr(config, "vocab_size", None),
+        "hidden_size": getattr(config, "hidden_size", None),
+        "num_attention_heads": getattr(config, "num_attention_heads", None),
+    }
+    return {key: value for key, value in facts.items() if value is not None}

@@ -140,6 +140,12 @@ class PipelineRun:
         finally:
             self.current = parent
 
+    def reinterface(self, feed: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """Say how the sample maps onto the inputs a stage gave the program (a runtime's own
+        interface: ``feed(sample) -> inputs``): the checks feed the later steps' programs that."""
+        for check in self.checks:
+            check.inputs = feed(check.inputs)
+
     def _failed(self, step: StepRecord, program: Any, error: BaseException) -> None:
         for instrument in self.instruments:
             instrument.on_error(step, program, error)

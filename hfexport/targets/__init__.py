@@ -56,6 +56,12 @@ class Target:
         it carries a cache or a recurrent state from step to step."""
         return config
 
+    def runtime_loop(self, config: Any) -> str | None:
+        """The runtime generation loop a generation export with ``config`` is made for (its name:
+        "ONNX Runtime GenAI"), which runs the ``decode`` component alone; ``None``: hfexport's
+        own loops, which run every component (the default)."""
+        return None
+
     def batch_of_one(self, config: Any) -> bool:
         """Whether a generation export with ``config`` takes one sequence at a time (its sample
         is then cut to its first row before the generation loop is decomposed)."""
@@ -73,6 +79,11 @@ class Target:
     def save(self, program: Any, path: Path) -> None:
         """Write the artifact of ``program`` to ``path``."""
         raise NotImplementedError
+
+    def runtime_files(self, manifest: Manifest) -> dict[str, str]:
+        """``{file name: text}`` written beside the programs for the runtime's own loaders (ONNX
+        Runtime GenAI's ``genai_config.json``); none by default."""
+        return {}
 
     def load_program(self, path: Path, trust: bool = False) -> Any:
         """Read back a program that :meth:`save` wrote (or a failing pass's dumped ``input<suffix>``)
@@ -202,6 +213,8 @@ def save_export(
         model = next(iter(results.values())).model_name
         manifest = Manifest(target.name, components, model=model, generation=generation, versions=_versions())
         manifest.write(staging)
+        for file, text in target.runtime_files(manifest).items():
+            (staging / file).write_text(text)
         for file in model_files(model_folder):
             shutil.copy2(file, staging / file.name)
         stale = set()
@@ -284,7 +297,8 @@ class ExportFolder:
         # the targets' decoders run an attention cache (4-D keys and values under cache.*, a
         # hybrid's convolution states beside them) with its mask; a step without one carries a
         # recurrent state only (Mamba's, 4-D for Mamba-2; RWKV's state.*), fed back by path
-        masked = any(i.path.startswith("attention_mask") for i in decode.inputs)
+        # (or a runtime's interface, whose program derives its masks: decode.interface)
+        masked = bool(decode.interface) or any(i.path.startswith("attention_mask") for i in decode.inputs)
         attention = masked and any(i.path.startswith("cache.") and len(i.shape) == 4 for i in decode.inputs)
         fed = ("input_ids", "position_ids", "attention_mask")
         states = [i.path for i in decode.inputs if len(i.shape) >= 2 and not i.path.startswith(fed)]

@@ -78,6 +78,7 @@ class ComponentSpec:
     shape_relations: list[dict[str, Any]] = field(default_factory=list)  # see hfexport.targets.shape_relations
     shape_conditions: list[dict[str, Any]] = field(default_factory=list)  # named when the runtime fails
     dtype: str = ""
+    interface: str = ""  # "" (the spec's), or the runtime whose own loop it was made for ("onnxruntime-genai")
 
     @property
     def fed(self) -> list[InputSpec]:

@@ -931,3 +931,45 @@ def test_a_vision_encoder_attending_in_windows_takes_its_window_indices_as_input
         got = program.module()(**kwargs).pooler_output
         own = encoder.encoder(sample["pixel_values"], sample["image_grid_thw"]).pooler_output
     torch.testing.assert_close(got, own, atol=1e-5, rtol=0)
+
+
+def test_sampling_keeps_the_tokens_transformers_warpers_keep_and_repeats_with_a_seed():
+    """``Sampling`` draws among the tokens transformers' temperature, top-k and top-p warpers
+    leave, repeatably for one seed; top_k=1 is the argmax."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from hfexport import Sampling
+
+    logits = torch.randn(3, 2, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for temperature, top_k, top_p in ((0.7, 10, None), (1.3, None, 0.8), (0.9, 20, 0.6)):
+        scores = TemperatureLogitsWarper(temperature)(None, logits[:, -1].clone())
+        if top_k is not None:
+            scores = TopKLogitsWarper(top_k)(None, scores)
+        if top_p is not None:
+            scores = TopPLogitsWarper(top_p)(None, scores)
+        allowed = torch.isfinite(scores)
+        sampling = Sampling(temperature, top_k, top_p, seed=1)
+        drawn = torch.cat([sampling(logits) for _ in range(200)], dim=1)
+        assert allowed.gather(1, drawn).all()  # never a token the warpers drop
+        assert any(len(set(row.tolist())) > 1 for row in drawn)  # a draw, not the argmax
+        again = Sampling(temperature, top_k, top_p, seed=1)
+        assert torch.equal(torch.cat([again(logits) for _ in range(200)], dim=1), drawn)
+    assert torch.equal(Sampling(2.0, top_k=1)(logits), logits[:, -1].argmax(-1, keepdim=True))
+    with pytest.raises(Exception, match="top_p"):
+        Sampling(1.0, top_p=1.5)
+
+
+def test_generate_samples_from_the_command_line_repeatably_and_takes_several_prompts(tmp_path, capsys):
+    from hfexport.cli import main
+
+    out = tmp_path / "out"
+    assert main(["export", "tiny-llama", "--format", "onnx", "--generation", "--out", str(out)]) == 0
+    generate = ["generate", str(out), "--prompt-ids", "5,6,7", "--max-new-tokens", "8"]
+    answers = []
+    for flags in (["--temperature", "0.9", "--seed", "1"], ["--temperature", "0.9", "--seed", "1"], []):
+        capsys.readouterr()
+        assert main([*generate, *flags]) == 0
+        answers.append(capsys.readouterr().out.strip())
+    assert answers[0] == answers[1] != answers[2]
+    assert main([*generate, "--top-k", "3"]) == 2  # sampling flags without a temperature
+    assert "--temperature" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 plus dynamic=True, run on each target's runtime against eager."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -112,6 +113,32 @@ def test_smollm2_text_in_text_out_from_a_self_contained_export_folder(checkpoint
 
     generated = hfexport.load(out).generate(question, max_new_tokens=64, chat=True)
     assert generated.tokens == reference.tolist() and generated.text == text
+    several = ["generate", str(out), "--chat", "--prompt", question, "--prompt", "Hello!", "--max-new-tokens", "64"]
+    assert main(several) == 0
+    printed = capsys.readouterr()
+    assert printed.out.startswith(f"[1/2] {question}\n{text.strip()}\n\n[2/2] Hello!\n")
+    assert len(printed.err.strip().splitlines()) == 2  # the figures of each
+    if target == "onnx":  # the same folder in ONNX Runtime GenAI's own loop, tokenised by its own tokenizer
+        eos = model.generation_config.eos_token_id
+        assert og_reply(out, question, 64) == [t for t in reference.tolist() if t != eos]
+
+
+def og_reply(folder, question: str, max_new_tokens: int) -> list[int]:
+    """The greedy reply of ``og.Generator`` over an export folder to a chat question (its new
+    tokens, without the final eos, which ORT GenAI does not return)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    tokenizer = og.Tokenizer(model)
+    messages = json.dumps([{"role": "user", "content": question}])
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + max_new_tokens, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)][len(prompt) :]
 
 
 def test_smollm2_int4_onnx_export_still_answers_paris(checkpoint, tmp_path):
@@ -128,3 +155,5 @@ def test_smollm2_int4_onnx_export_still_answers_paris(checkpoint, tmp_path):
     assert main([*export, "--out", str(out)]) == 0
     generated = hfexport.load(out).generate("What is the capital of France?", max_new_tokens=12, chat=True)
     assert generated.text.startswith("The capital of France is Paris"), generated.text
+    reply = AutoTokenizer.from_pretrained(folder).decode(og_reply(out, "What is the capital of France?", 12))
+    assert reply.startswith("The capital of France is Paris"), reply  # and in ONNX Runtime GenAI's loop

@@ -493,6 +493,7 @@ def test_the_edge_rewrites_are_passes_listed_in_their_stage(capsys):
     assert [line.split()[1] for line in listed] == EDGE_PASSES
 
 
+@pytest.mark.slow  # three ExecuTorch exports, about 2 minutes: make test-all (make test's 30 minutes)
 def test_an_edge_pass_is_dumped_timed_removable_and_verified(tmp_path):
     from executorch.exir.dialects._ops import ops as exir_ops
 

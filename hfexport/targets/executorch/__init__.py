@@ -43,6 +43,9 @@ class ExecutorchTarget(Target):
             config.max_batch_size = 1
         return config
 
+    def runtime_loop(self, config: Any) -> str | None:
+        return "ExecuTorch's LLM runner" if config.llm_runner else None
+
     def batch_of_one(self, config: Any) -> bool:
         return config.max_batch_size is None
 
@@ -56,6 +59,10 @@ class ExecutorchTarget(Target):
         stages: list[Any] = [TransformStage("to_edge", lambda program, run: lowering.to_edge(program, partitioners))]
         if config.cache_in_program and config.alloc_graph_input:
             stages.append(TransformStage("program_state", program_state))
+        if config.llm_runner:
+            from hfexport.targets.executorch.llm_runner import llm_runner_io
+
+            stages.append(TransformStage("llm_runner_io", llm_runner_io))
         return [
             *stages,
             EDGE_PASSES,

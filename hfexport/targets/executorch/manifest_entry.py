@@ -19,4 +19,8 @@ def pte_component(program: Any, captured: Captured | None = None) -> ComponentSp
         OutputSpec(f"output.{path}" if kind == "write_back" else path, path, kind, written)
         for path, kind, written in program_outputs(exported)
     ]
-    return ComponentSpec("", program_inputs(exported, captured), outputs, **captured_facts(captured))
+    from hfexport.targets.executorch.llm_runner import INTERFACE, POSITIONS
+
+    inputs = program_inputs(exported, captured)
+    interface = INTERFACE if any(i.path == POSITIONS for i in inputs) else ""
+    return ComponentSpec("", inputs, outputs, **captured_facts(captured), interface=interface)

@@ -11,6 +11,7 @@ import torch
 
 from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
+from hfexport.targets.executorch.llm_runner import POSITIONS
 from hfexport.targets.executorch.manifest_entry import pte_component
 from hfexport.targets.manifest import ComponentSpec, Manifest
 from hfexport.targets.runner import Runner
@@ -209,6 +210,8 @@ class ExecutorchDecoder(StaticCacheDecoder):
         # the inputs this loop feeds from outside (not the cache it keeps): the ones checked each step
         self.outside = [index for index, spec in enumerate(self.runner.fed) if spec.path not in self.cache]
         self.position_rows = self.rows_of(next((i.shape for i in self.spec.fed if i.path == "position_ids"), None))
+        # ExecuTorch's LLM runner's interface: the new tokens' cache slots, from which the program makes the rest
+        self.slots_only = any(i.path == POSITIONS for i in self.spec.fed)
         self.masks = DecodeMasks.from_input_paths(
             [i.path for i in self.spec.fed],
             self.spec.attention_windows,
@@ -220,8 +223,11 @@ class ExecutorchDecoder(StaticCacheDecoder):
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        fed = {"input_ids": input_ids, "position_ids": self.positions(position_ids)}
-        fed.update(self.masks.by_input_path(valid, query_slots))
+        if self.slots_only:  # one row, filled without gaps: the slots are its positions
+            fed = {"input_ids": input_ids, POSITIONS: torch.as_tensor(query_slots, dtype=torch.long)}
+        else:
+            fed = {"input_ids": input_ids, "position_ids": self.positions(position_ids)}
+            fed.update(self.masks.by_input_path(valid, query_slots))
         fed.update(self.token_types(self.runner.fed, input_ids))
         values = []
         for spec in self.runner.fed:

@@ -4,6 +4,7 @@ packages are imported only when a stage or a runner runs."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ class OnnxTarget(Target):
     dtypes = ("float32", "float16")  # ONNX Runtime's CPU kernels: none for bfloat16 (MatMul, RotaryEmbedding, …)
     runtime = "ONNX Runtime's CPU provider"
 
+    def runtime_loop(self, config: Any) -> str | None:
+        return "ONNX Runtime GenAI" if config.genai else None
+
     def pass_list(self, config: Any) -> list[Any]:
         return passes.pass_list(config)
 
@@ -31,12 +35,29 @@ class OnnxTarget(Target):
         from hfexport.pipeline.pipeline import TransformStage
         from hfexport.targets.onnx.lowering import to_onnx
 
-        return [TransformStage("to_onnx", lambda program, run: to_onnx(program, config.opset_version)), "onnx_passes"]
+        def lower(program: Any, run: Any) -> Any:
+            windows = run.captured.attention_windows if run.captured is not None else {}
+            return to_onnx(program, config.opset_version, windows)
+
+        stages: list[Any] = [TransformStage("to_onnx", lower), "onnx_passes"]
+        if config.genai:
+            from hfexport.targets.onnx.passes.genai import genai_io
+
+            stages.append(TransformStage("genai_io", lambda program, run: genai_io(program)))
+        return stages
 
     def save(self, program: Any, path: Path) -> None:
         from hfexport.targets.onnx.lowering import save_onnx
 
         save_onnx(program, path)
+
+    def runtime_files(self, manifest: Manifest) -> dict[str, str]:
+        from hfexport.targets.onnx.passes.genai import GENAI_CONFIG, INTERFACE, genai_config
+
+        decode = manifest.components.get("decode")
+        if decode is None or decode.interface != INTERFACE:
+            return {}
+        return {GENAI_CONFIG: json.dumps(genai_config(manifest), indent=2) + "\n"}
 
     def load_program(self, path: Path, trust: bool = False) -> Any:
         from hfexport.targets.onnx.lowering import load_onnx
@@ -46,7 +67,7 @@ class OnnxTarget(Target):
     def component(self, program: Any, captured: Captured | None) -> ComponentSpec:
         from hfexport.targets.onnx.lowering import onnx_component
 
-        return onnx_component(program.exported_program, captured)
+        return onnx_component(program, captured)
 
     def runner(self, path: Path, spec: ComponentSpec, trust: bool = False) -> OnnxRunner:
         return OnnxRunner(path, spec)

@@ -13,12 +13,14 @@ import collections
 import contextlib
 import copy
 import functools
+import json
 import operator
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
 from torch.export.graph_signature import ConstantArgument, ExportGraphSignature, OutputKind, TensorArgument
 from torch.export.graph_signature import OutputSpec as SignatureOutput
@@ -45,9 +47,20 @@ def _input_name(path: str, written: bool) -> str:
     return f"input.{path}" if written else path
 
 
-def onnx_component(program: torch.export.ExportedProgram, captured: Captured | None = None) -> ComponentSpec:
-    """The manifest entry of the ONNX model lowered from ``program``: the names :func:`to_onnx`
-    gives its graph inputs and outputs, and what each output is."""
+def onnx_component(program: torch.onnx.ONNXProgram, captured: Captured | None = None) -> ComponentSpec:
+    """The manifest entry of an ONNX model: the names :func:`to_onnx` gives its graph inputs and
+    outputs and what each output is, as its ``exported_program`` says, in the interface the
+    ONNX passes gave it (ONNX Runtime GenAI's: see :func:`~.passes.genai.genai_component`)."""
+    from hfexport.targets.onnx.passes.genai import INTERFACE, INTERFACE_KEY, genai_component
+
+    spec = program_component(program.exported_program, captured)
+    if program.model.metadata_props.get(INTERFACE_KEY) == INTERFACE:
+        return genai_component(spec)
+    return spec
+
+
+def program_component(program: torch.export.ExportedProgram, captured: Captured | None = None) -> ComponentSpec:
+    """The manifest entry of the ONNX model :func:`to_onnx` lowers ``program`` to."""
     inputs = program_inputs(program, captured, _input_name)
     signature = program.graph_signature
     path_of = user_input_names(program)
@@ -359,14 +372,19 @@ def translatable_program(program: torch.export.ExportedProgram, registry: Any) -
     return functional
 
 
-def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = None) -> torch.onnx.ONNXProgram:
+def to_onnx(
+    program: torch.export.ExportedProgram,
+    opset_version: int | None = None,
+    attention_windows: dict[str, int] | None = None,
+) -> torch.onnx.ONNXProgram:
     """Translate an ``ExportedProgram`` to ONNX with torch.onnx (translation only: the optimizer
     runs as the ``onnx_optimizer`` pass), its inputs and outputs named as :func:`onnx_component` says.
     The initializers are the program's own copy of the weights, not the model's tensors. A program
     :func:`translatable_program` makes functional skips torch.onnx's decomposition (a second trace);
     the ONNX program's ``exported_program`` is that functional copy. torch.onnx's type promotion reads
     each node's recorded value instead of running the program again on fake tensors (the
-    ``onnx_type_promotion_from_metadata`` patch)."""
+    ``onnx_type_promotion_from_metadata`` patch). ``attention_windows`` (the capture's: each
+    windowed layer type's window) go in the model's metadata, for the passes that build masks."""
     require_backend("onnx", ONNX_MODULES)
     program = own_weights(program)
     # flags and None leaves are not ONNX inputs
@@ -385,7 +403,7 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
             optimize=False,
             opset_version=opset_version,
             input_names=fed,
-            output_names=[o.path for o in onnx_component(program).outputs],
+            output_names=[o.path for o in program_component(program).outputs],
             custom_translation_table=_missing_translations(),
             verbose=False,
         )
@@ -396,7 +414,7 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
         # onnxscript's version converter logs a failure and returns the model unconverted
         raise StageError(f"torch.onnx could not convert the model to opset {opset_version} (it has opset {written})")
     # which inputs are written in place is read off the functionalised program torch.onnx translated
-    spec = onnx_component(onnx_program.exported_program)
+    spec = program_component(onnx_program.exported_program)
     graph = onnx_program.model.graph
     names = [i.name for i in spec.inputs if i.constant is None and not i.none]
     if len(graph.inputs) != len(names):
@@ -409,6 +427,10 @@ def to_onnx(program: torch.export.ExportedProgram, opset_version: int | None = N
     for value, name in zip(graph.inputs, names, strict=True):
         value.name = name
     _name_outputs(onnx_program, [o.name for o in spec.outputs])
+    if attention_windows:
+        from hfexport.targets.onnx.passes.genai import WINDOWS_KEY
+
+        onnx_program.model.metadata_props[WINDOWS_KEY] = json.dumps(attention_windows)
     return onnx_program
 
 
@@ -527,16 +549,26 @@ def snapshot_onnx(program: torch.onnx.ONNXProgram) -> torch.onnx.ONNXProgram:
     return torch.onnx.ONNXProgram(model, program.exported_program)
 
 
-def run_onnx_program(program: torch.onnx.ONNXProgram, inputs: dict[str, Any]) -> list[Any]:
+def run_onnx_program(program: torch.onnx.ONNXProgram, inputs: dict[str, Any]) -> list[Any] | dict[str, Any]:
     """Save to a temporary file and run it in a real ONNX Runtime session; the tensor outputs,
-    in order."""
+    in order (by path for a graph in ONNX Runtime GenAI's interface, fed the sample as
+    :func:`~.passes.genai.genai_feed` makes it)."""
+    from hfexport.targets.onnx.passes.genai import INTERFACE, INTERFACE_KEY, genai_feed
     from hfexport.targets.onnx.runner import OnnxRunner
 
-    spec = onnx_component(program.exported_program)
+    spec = onnx_component(program)
+    genai = program.model.metadata_props.get(INTERFACE_KEY) == INTERFACE
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "model.onnx"
         save_onnx(program, path)
-        return OnnxRunner(path, spec).run(inputs, tensors_only=True)
+        if not genai:
+            return OnnxRunner(path, spec).run(inputs, tensors_only=True)
+        outputs = OnnxRunner(path, spec).run(genai_feed(inputs), tensors_only=True)
+    # by path, as eager returns them; None for the token counters, which ORT GenAI's interface derives
+    tensors = [torch.from_numpy(np.asarray(output)) for output in outputs]
+    returned = dict(zip([o.path for o in spec.returned if o.kind != "scalar"], tensors, strict=True))
+    original = program_component(program.exported_program).returned
+    return {o.path: returned.get(o.path) for o in original if o.kind != "scalar"}
 
 
 register_artifact_kind(

@@ -12,6 +12,7 @@ import torch
 from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
 from hfexport.targets.manifest import ComponentSpec, InputSpec, Manifest, OutputSpec
+from hfexport.targets.onnx.passes.genai import INTERFACE as GENAI
 from hfexport.targets.runner import Runner
 
 _ORT_TYPES = {
@@ -153,7 +154,9 @@ def _runtime_error_text(error: BaseException) -> str:
 
 class OnnxDecoder(StaticCacheDecoder):
     """``step`` for :func:`~hfexport.generation.greedy_decode` over an exported static-cache decode
-    ``.onnx`` with its manifest.
+    ``.onnx`` with its manifest, in the spec's interface (the loop's masks and token counters) or
+    ONNX Runtime GenAI's (a 2-D mask as wide as the tokens so far: see
+    :func:`~hfexport.targets.onnx.passes.genai.genai_io`).
 
     The cache buffers are allocated from the manifest's written inputs (the sample's shapes, with
     the batch axis resized) and each cache input / write-back output pair is bound to one buffer
@@ -180,16 +183,19 @@ class OnnxDecoder(StaticCacheDecoder):
                 shape = [batch_size, *spec.shape[1:]] if spec.shape else []  # scalars (token counters) have no axes
                 self.cache[spec.path] = torch.zeros(shape, dtype=_ORT_TYPES[types[spec.name]])
                 self.outputs[spec.path] = pairs[spec.name]
-        masks = [i.shape for i in self.spec.fed if i.path.startswith("attention_mask")]
+        # ONNX Runtime GenAI's interface: a 2-D mask of the tokens so far, from which the graph makes its own
+        self.genai = self.spec.interface == GENAI
+        masks = [i.shape for i in self.spec.fed if i.path.startswith("attention_mask") and not self.genai]
         self.max_cache_len = self.cache_length(masks, [list(t.shape) for t in self.cache.values()])
         self.logits_name = next(o.name for o in self.spec.outputs if o.kind == "tensor")
-        self.masks = DecodeMasks.from_input_paths(
-            [i.path for i in self.spec.fed],
-            self.spec.attention_windows,
-            {i.path: getattr(torch, i.dtype) for i in self.spec.fed if i.path.startswith("attention_mask")},
-            shapes={i.path: i.shape for i in self.spec.fed},
-        )
-        self.masks.check_cache_length(self.max_cache_len)
+        if not self.genai:
+            self.masks = DecodeMasks.from_input_paths(
+                [i.path for i in self.spec.fed],
+                self.spec.attention_windows,
+                {i.path: getattr(torch, i.dtype) for i in self.spec.fed if i.path.startswith("attention_mask")},
+                shapes={i.path: i.shape for i in self.spec.fed},
+            )
+            self.masks.check_cache_length(self.max_cache_len)
         self.position_rows = self.rows_of(next((i.shape for i in self.spec.fed if i.path == "position_ids"), None))
         self.input_name = {spec.path: spec.name for spec in self.spec.fed}
         self.binding = self.session.io_binding()
@@ -224,7 +230,10 @@ class OnnxDecoder(StaticCacheDecoder):
         feed = {"input_ids": input_ids.contiguous()}
         if "position_ids" in self.input_name:  # a model counting positions from its cache takes none (TrOCR)
             feed["position_ids"] = self.positions(position_ids).contiguous()
-        feed.update(self.masks.by_input_path(valid, query_slots))
+        if self.genai:  # a token's slot is its column: the mask is as wide as the last written slot
+            feed["attention_mask"] = valid[:, : int(query_slots[-1]) + 1].contiguous()
+        else:
+            feed.update(self.masks.by_input_path(valid, query_slots))
         feed.update(self.token_types(self.spec.fed, input_ids))
         given = {}
         for path, tensor in feed.items():

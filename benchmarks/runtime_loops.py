@@ -1,0 +1,249 @@
+"""hfexport's generation exports in the runtimes' own loops, side by side with the runtimes' own exporters.
+
+    python benchmarks/runtime_loops.py --builder-python /work/peers/venv-genai/bin/python
+    python benchmarks/runtime_loops.py --variants onnx:fp32,onnx:int4 --rounds 5
+
+Each variant is exported as a user runs it, in a child process: ``hfexport export CHECKPOINT --format onnx|executorch
+--generation [--quantize …]`` (the command line writes the runtimes' own interface), and, for ONNX, ONNX Runtime GenAI's
+model builder (``python …/onnxruntime_genai/models/builder.py -i CHECKPOINT -o OUT -p fp32|int4 -e cpu``) under
+``--builder-python``, the Python of a venv outside the checkout with torch 2.13.0, transformers and onnxruntime-genai
+(see the README). Per export: wall seconds, CPU seconds (user + system) and peak RSS of the child (``os.wait4``).
+
+Then every folder is run in its runtime's own loop, in this one process, in alternating rounds (the machine is shared:
+round r of every variant runs before round r + 1 of any): ONNX folders by ``og.Model`` / ``og.Generator`` (greedy),
+``.pte`` programs by ExecuTorch's ``TextLLMRunner`` (temperature 0) with the ``tokenizer.json`` beside them. The prompt
+is the checkpoint's chat template around ``QUESTION``; per run: time to first token (the prompt in, one token out) and
+decode tokens/s (the later tokens over the time from the first to the last). The table gives the medians over the
+rounds and each variant's answer; ``results.json`` every figure; ``decode.png`` the decode speeds as a chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+QUESTION = "What is the capital of France?"
+HFEXPORT = {
+    "onnx:fp32": ["--format", "onnx"],
+    "onnx:int4": ["--format", "onnx", "--quantize", "int4"],
+    "executorch:fp32": ["--format", "executorch"],
+    "executorch:8da4w": ["--format", "executorch", "--quantize", "8da4w"],
+}
+BUILDER = {"onnx:fp32": "fp32", "onnx:int4": "int4"}
+
+
+def timed_child(command: list[str], log: Path) -> dict[str, Any]:
+    """Run ``command``; its wall and CPU seconds and peak RSS (MiB) from its own rusage."""
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(command)} failed; see {log}")
+    return {
+        "wall_seconds": round(wall, 1),
+        "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
+        "peak_rss_mib": round(usage.ru_maxrss / 1024),
+    }
+
+
+def builder_script(python: str) -> Path:
+    """The builder's ``builder.py`` in ``python``'s onnxruntime-genai (0.18 runs it as a script: its imports are
+    its folder's, so ``python -m onnxruntime_genai.models.builder`` fails)."""
+    found = subprocess.run(
+        [python, "-c", "import onnxruntime_genai, pathlib; print(pathlib.Path(onnxruntime_genai.__file__).parent)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(found.stdout.strip()) / "models" / "builder.py"
+
+
+def export_all(args: argparse.Namespace, work: Path, checkpoint: Path) -> list[dict[str, Any]]:
+    rows = []
+    for variant in args.variants:
+        out = work / f"hfexport-{variant.replace(':', '-')}"
+        command = [sys.executable, "-m", "hfexport.cli", "export", str(checkpoint), *HFEXPORT[variant]]
+        command += ["--generation", "--max-cache-len", str(args.cache_len), "--out", str(out), "--overwrite"]
+        print(f"export {variant} (hfexport) ...", file=sys.stderr, flush=True)
+        rows.append(
+            {
+                "variant": variant,
+                "exporter": "hfexport",
+                "folder": str(out),
+                **timed_child(command, out.with_suffix(".log")),
+            }
+        )
+        if variant in BUILDER and args.builder_python:
+            out = work / f"builder-{variant.replace(':', '-')}"
+            command = [args.builder_python, str(builder_script(args.builder_python)), "-i", str(checkpoint)]
+            command += ["-o", str(out), "-p", BUILDER[variant], "-e", "cpu", "-c", str(work / "builder-cache")]
+            print(f"export {variant} (ONNX Runtime GenAI builder) ...", file=sys.stderr, flush=True)
+            rows.append(
+                {
+                    "variant": variant,
+                    "exporter": "builder",
+                    "folder": str(out),
+                    **timed_child(command, out.with_suffix(".log")),
+                }
+            )
+    return rows
+
+
+class GenAiLoop:
+    """``og.Generator``, greedy, over an ONNX Runtime GenAI folder."""
+
+    def __init__(self, folder: str) -> None:
+        import onnxruntime_genai as og
+
+        self.og = og
+        self.model = og.Model(folder)
+        self.tokenizer = og.Tokenizer(self.model)
+
+    def __call__(self, new_tokens: int) -> tuple[float, float, str]:
+        og = self.og
+        prompt = self.tokenizer.apply_chat_template(
+            json.dumps([{"role": "user", "content": QUESTION}]), add_generation_prompt=True
+        )
+        ids = self.tokenizer.encode(prompt)
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(ids) + new_tokens, do_sample=False)
+        generator = og.Generator(self.model, params)
+        started = time.perf_counter()
+        generator.append_tokens(ids)
+        generator.generate_next_token()
+        first = time.perf_counter()
+        count = 1
+        while not generator.is_done() and count < new_tokens:
+            generator.generate_next_token()
+            count += 1
+        last = time.perf_counter()
+        answer = self.tokenizer.decode(generator.get_sequence(0)[len(ids) :])
+        return first - started, (count - 1) / (last - first) if count > 1 else 0.0, answer
+
+
+class RunnerLoop:
+    """ExecuTorch's ``TextLLMRunner``, temperature 0, over a ``.pte`` and the tokenizer beside it."""
+
+    def __init__(self, folder: str) -> None:
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  the runner's build has them
+        from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+        from transformers import AutoTokenizer
+
+        self.config_class = GenerationConfig
+        pte = next(Path(folder).glob("*.pte"))
+        self.runner = TextLLMRunner(str(pte), str(Path(folder) / "tokenizer.json"))
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        messages = [{"role": "user", "content": QUESTION}]
+        self.prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def __call__(self, new_tokens: int) -> tuple[float, float, str]:
+        times: list[float] = []
+        pieces: list[str] = []
+
+        def on_piece(piece: str) -> None:
+            times.append(time.perf_counter())
+            pieces.append(piece)
+
+        self.runner.reset()
+        started = time.perf_counter()
+        config = self.config_class(temperature=0.0, echo=False, max_new_tokens=new_tokens)
+        self.runner.generate(self.prompt, config, token_callback=on_piece)
+        decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+        return times[0] - started, decode, "".join(pieces)
+
+
+def decode_rounds(rows: list[dict[str, Any]], rounds: int, new_tokens: int) -> None:
+    loops = {id(row): (GenAiLoop if row["variant"].startswith("onnx") else RunnerLoop)(row["folder"]) for row in rows}
+    for row in rows:
+        row["runs"] = []
+    for index in range(rounds + 1):  # round 0 warms up
+        for row in rows:
+            first, decode, answer = loops[id(row)](new_tokens)
+            if index:
+                row["runs"].append(
+                    {"first_token_seconds": round(first, 4), "decode_tokens_per_second": round(decode, 2)}
+                )
+            row["answer"] = answer
+        print(f"round {index}/{rounds} done", file=sys.stderr, flush=True)
+    for row in rows:
+        row["first_token_seconds"] = statistics.median(r["first_token_seconds"] for r in row["runs"])
+        row["decode_tokens_per_second"] = statistics.median(r["decode_tokens_per_second"] for r in row["runs"])
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| variant | exporter | export wall s | export CPU s | export peak RSS MiB | runtime loop | first token ms "
+        "| decode tok/s | answer |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        loop = "og.Generator" if row["variant"].startswith("onnx") else "TextLLMRunner"
+        answer = " ".join(row["answer"].split())[:70].replace("|", "\\|")
+        lines.append(
+            f"| {row['variant']} | {row['exporter']} | {row['wall_seconds']} | {row['cpu_seconds']} | "
+            f"{row['peak_rss_mib']} | {loop} | {row['first_token_seconds'] * 1000:.0f} | "
+            f"{row['decode_tokens_per_second']:.1f} | {answer} |"
+        )
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{row['variant']}\n{row['exporter']}" for row in rows]
+    colours = ["tab:blue" if row["exporter"] == "hfexport" else "tab:orange" for row in rows]
+    figure, axis = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
+    axis.bar(labels, [row["decode_tokens_per_second"] for row in rows], color=colours)
+    axis.set_ylabel("decode tokens/s (median)")
+    axis.set_title("SmolLM2-135M-Instruct in the runtimes' own loops (blue: hfexport)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", default="smollm2-135m-instruct")
+    parser.add_argument("--variants", default=",".join(HFEXPORT), help=f"comma-separated, of {', '.join(HFEXPORT)}")
+    parser.add_argument("--builder-python", help="the Python of a venv with onnxruntime-genai's builder (torch 2.13.0)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--cache-len", type=int, default=256)
+    parser.add_argument("--out", default="benchmarks/results/runtime-loops")
+    args = parser.parse_args()
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in HFEXPORT]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; valid: {', '.join(HFEXPORT)}")
+    from hfexport.checkpoints import checkpoint_folder
+
+    checkpoint = checkpoint_folder(args.checkpoint) if "/" not in args.checkpoint else Path(args.checkpoint)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="runtime-loops-") as work:
+        rows = export_all(args, Path(work), checkpoint)
+        decode_rounds(rows, args.rounds, args.new_tokens)
+    for row in rows:
+        row.pop("folder")
+    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    text = table(rows)
+    (out / "table.md").write_text(text + "\n")
+    chart(rows, out / "decode.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
