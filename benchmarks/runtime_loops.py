@@ -6,8 +6,12 @@
 Each variant is exported as a user runs it, in a child process: ``hfexport export CHECKPOINT --format onnx|executorch
 --generation [--quantize …]`` (the command line writes the runtimes' own interface), and, for ONNX, ONNX Runtime GenAI's
 model builder (``python …/onnxruntime_genai/models/builder.py -i CHECKPOINT -o OUT -p fp32|int4 -e cpu``) under
-``--builder-python``, the Python of a venv outside the checkout with torch 2.13.0, transformers and onnxruntime-genai
-(see the README). Per export: wall seconds, CPU seconds (user + system) and peak RSS of the child (``os.wait4``).
+``--builder-python``, the Python of a venv outside the checkout with torch 2.13.0, transformers and onnxruntime-genai:
+
+    python3 -m venv /work/peers/venv-genai
+    /work/peers/venv-genai/bin/pip install torch==2.13.0          # the CPU wheel, first, from the local disk
+    /work/peers/venv-genai/bin/pip install onnxruntime-genai==0.18.0 transformers onnx onnx_ir onnxscript
+ Per export: wall seconds, CPU seconds (user + system) and peak RSS of the child (``os.wait4``).
 
 Then every folder is run in its runtime's own loop, in this one process, in alternating rounds (the machine is shared:
 round r of every variant runs before round r + 1 of any): ONNX folders by ``og.Model`` / ``og.Generator`` (greedy),
