@@ -158,7 +158,7 @@ def test_the_graph_builds_the_decode_loops_masks(window, chunk):
     import onnxruntime as ort
 
     from hfexport.generation import decode_mask
-    from hfexport.targets.onnx.passes.genai import _Builder, _derived_mask
+    from hfexport.targets.onnx.genai import _Builder, _derived_mask
 
     cache_len = 16
     valid_in = ir.Value(name="valid", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape(["batch", cache_len]))

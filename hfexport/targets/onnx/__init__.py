@@ -41,7 +41,7 @@ class OnnxTarget(Target):
 
         stages: list[Any] = [TransformStage("to_onnx", lower), "onnx_passes"]
         if config.genai:
-            from hfexport.targets.onnx.passes.genai import genai_io
+            from hfexport.targets.onnx.genai import genai_io
 
             stages.append(TransformStage("genai_io", lambda program, run: genai_io(program)))
         return stages
@@ -52,7 +52,7 @@ class OnnxTarget(Target):
         save_onnx(program, path)
 
     def runtime_files(self, manifest: Manifest) -> dict[str, str]:
-        from hfexport.targets.onnx.passes.genai import GENAI_CONFIG, INTERFACE, genai_config
+        from hfexport.targets.onnx.genai import GENAI_CONFIG, INTERFACE, genai_config
 
         decode = manifest.components.get("decode")
         if decode is None or decode.interface != INTERFACE:

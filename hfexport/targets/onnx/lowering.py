@@ -50,8 +50,8 @@ def _input_name(path: str, written: bool) -> str:
 def onnx_component(program: torch.onnx.ONNXProgram, captured: Captured | None = None) -> ComponentSpec:
     """The manifest entry of an ONNX model: the names :func:`to_onnx` gives its graph inputs and
     outputs and what each output is, as its ``exported_program`` says, in the interface the
-    ONNX passes gave it (ONNX Runtime GenAI's: see :func:`~.passes.genai.genai_component`)."""
-    from hfexport.targets.onnx.passes.genai import INTERFACE, INTERFACE_KEY, genai_component
+    ONNX passes gave it (ONNX Runtime GenAI's: see :func:`~.genai.genai_component`)."""
+    from hfexport.targets.onnx.genai import INTERFACE, INTERFACE_KEY, genai_component
 
     spec = program_component(program.exported_program, captured)
     if program.model.metadata_props.get(INTERFACE_KEY) == INTERFACE:
@@ -428,7 +428,7 @@ def to_onnx(
         value.name = name
     _name_outputs(onnx_program, [o.name for o in spec.outputs])
     if attention_windows:
-        from hfexport.targets.onnx.passes.genai import WINDOWS_KEY
+        from hfexport.targets.onnx.genai import WINDOWS_KEY
 
         onnx_program.model.metadata_props[WINDOWS_KEY] = json.dumps(attention_windows)
     return onnx_program
@@ -552,8 +552,8 @@ def snapshot_onnx(program: torch.onnx.ONNXProgram) -> torch.onnx.ONNXProgram:
 def run_onnx_program(program: torch.onnx.ONNXProgram, inputs: dict[str, Any]) -> list[Any] | dict[str, Any]:
     """Save to a temporary file and run it in a real ONNX Runtime session; the tensor outputs,
     in order (by path for a graph in ONNX Runtime GenAI's interface, fed the sample as
-    :func:`~.passes.genai.genai_feed` makes it)."""
-    from hfexport.targets.onnx.passes.genai import INTERFACE, INTERFACE_KEY, genai_feed
+    :func:`~.genai.genai_feed` makes it)."""
+    from hfexport.targets.onnx.genai import INTERFACE, INTERFACE_KEY, genai_feed
     from hfexport.targets.onnx.runner import OnnxRunner
 
     spec = onnx_component(program)

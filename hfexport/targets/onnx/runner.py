@@ -12,7 +12,7 @@ import torch
 from hfexport.errors import ArtifactError, HfExportError
 from hfexport.generation import StaticCacheDecoder
 from hfexport.targets.manifest import ComponentSpec, InputSpec, Manifest, OutputSpec
-from hfexport.targets.onnx.passes.genai import INTERFACE as GENAI
+from hfexport.targets.onnx.genai import INTERFACE as GENAI
 from hfexport.targets.runner import Runner
 
 _ORT_TYPES = {
@@ -156,7 +156,7 @@ class OnnxDecoder(StaticCacheDecoder):
     """``step`` for :func:`~hfexport.generation.greedy_decode` over an exported static-cache decode
     ``.onnx`` with its manifest, in the spec's interface (the loop's masks and token counters) or
     ONNX Runtime GenAI's (a 2-D mask as wide as the tokens so far: see
-    :func:`~hfexport.targets.onnx.passes.genai.genai_io`).
+    :func:`~hfexport.targets.onnx.genai.genai_io`).
 
     The cache buffers are allocated from the manifest's written inputs (the sample's shapes, with
     the batch axis resized) and each cache input / write-back output pair is bound to one buffer
