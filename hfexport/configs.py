@@ -226,13 +226,13 @@ class OnnxConfig(DynamoConfig):
     Args:
         opset_version: the ONNX opset; ``None`` is the newest the installed onnxscript supports.
         optimize: run the onnxscript optimizer and ONNX Runtime's fusions of RMS norms, rotary
-            embeddings and static-cache attention (the ``onnx_optimizer``, ``onnx_ort_fusions``
-            and ``onnx_group_query_attention`` passes) when ``passes`` is the default list; with
+            embeddings and static-cache attention, and the packing of projections that read one
+            input (the ``onnx_optimizer``, ``onnx_ort_fusions``, ``onnx_group_query_attention`` and
+            ``onnx_packed_projections`` passes) when ``passes`` is the default list; with
             an explicit ``passes`` list, list them or not.
         quantize: ``None`` (fp32), ``"int4"`` (4-bit weights in blocks of ``quantize_group_size``
-            with a scale and a float minimum each, ONNX Runtime ``MatMulNBits``, inputs quantized
-            to int8 on the fly except in the last eighth of the layers: the
-            ``onnx_int4_weights`` pass) or ``"int8"`` (int8
+            with a scale and a zero point each, ONNX Runtime ``MatMulNBits``, inputs quantized
+            to int8 on the fly: the ``onnx_int4_weights`` pass) or ``"int8"`` (int8
             weights and dynamically quantized activations: ``onnx_int8_dynamic``), appended to the
             pass list. ``verify`` then checks the logits' cosine similarity (at least 0.98) and
             reports it with the top-1 agreement.

@@ -36,29 +36,22 @@ def test_onnx_quantization_pass_quantizes_every_linear_layer(mode, op, min_cosin
     model = build("tiny-llama")
     result = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True, verify=True, quantize=mode))
     (record,) = [p for s in result.records for p in s.children if p.name.startswith("onnx_int")]
-    assert record.counts[QUANTIZED_WEIGHTS] == LINEAR_LAYERS
+    # onnx_packed_projections ran before: per layer q k v, o, gate up, down, and the lm_head
+    assert record.counts[QUANTIZED_WEIGHTS] == 2 * 4 + 1
     assert record.counts["weight_kib_after"] < record.counts["weight_kib_before"]
     histogram = {node.op_type for node in result.program.model.graph}
     assert op in histogram
     if mode == "int4":
-        # the logits' MatMul keeps 8 bits; the 4-bit weights that read one input are packed into one
-        # MatMulNBits with its minimums' MatMul and a Split (per layer: q k v, o, gate up, down)
+        # the logits' MatMul keeps 8 bits; the packed weights (q k v, gate up) are one MatMulNBits
+        # each, split after it; every input quantized to int8 on the fly, no float minimums
         graph = result.program.model.graph
-        bits = sorted(node.attributes["bits"].as_int() for node in graph if node.op_type == op)
-        assert bits == [4] * (2 * 4) + [8] and record.counts["int8_weights_kept"] == 1
-        assert record.counts["matmulnbits_nodes"] == 2 * 4 + 1
-        minimums = [node for node in graph if node.op_type == "MatMul" and node.inputs[1].name.endswith("_minimums")]
-        block_sums = [node for node in graph if node.op_type == "MatMul" and node.name.endswith("_block_sums")]
-        splits = [len(node.outputs) for node in graph if node.op_type == "Split"]
-        assert len(minimums) == len(block_sums) == 2 * 4 and sorted(splits) == [2, 2, 3, 3]
-        # int8 inputs on the fly, but the attention projections (q k v, o) and the last eighth of the
-        # 14 4-bit weights (the last down projection) keep their inputs in fp32
         levels = [
             (n.attributes["bits"].as_int(), n.attributes["accuracy_level"].as_int()) for n in graph if n.op_type == op
         ]
-        layer = [(4, 1), (4, 1), (4, 4), (4, 4)]  # q k v, o, gate up, down
-        assert levels == layer + layer[:3] + [(4, 1), (8, 4)]
-        assert record.counts["float_input_weights"] == 2 * 4 + 1
+        assert levels == [(4, 4)] * (2 * 4) + [(8, 4)] and record.counts["int8_weights_kept"] == 1
+        splits = [len(node.outputs) for node in graph if node.op_type == "Split"]
+        assert sorted(splits) == [2, 2, 3, 3] and "float_input_weights" not in record.counts
+        assert not [node for node in graph if node.op_type == "MatMul" and node.inputs[1].const_value is not None]
     # verify checked the logits by cosine similarity, and the report says what it measured
     assert "quantized: logit cosine" in result.report and "top-1 agreement" in result.report
     save_export(tmp_path, {"model": result})
@@ -81,7 +74,7 @@ def test_a_weight_read_through_a_transpose_is_quantized_too(mode, op):
         node.inputs[1].name for node in graph if node.op_type == "MatMul" and node.inputs[1].const_value is not None
     ]
     plain = [name for name in weights if not name.endswith("_minimums") and not name.startswith("block_sums")]
-    assert plain == [] and sum(node.op_type == op for node in graph) == (LINEAR_LAYERS if mode == "int8" else 2 * 4 + 1)
+    assert plain == [] and sum(node.op_type == op for node in graph) == LINEAR_LAYERS
     assert "quantized: logit cosine" in result.report
 
 
@@ -131,7 +124,7 @@ def test_a_tied_output_projection_goes_to_4_bits_with_its_top_logits_recomputed_
     reference = eager(model, inputs).logits
     errors = {}
     for top in (8, 0):
-        quantize = OnnxInt4Weights(accuracy_level=1, int8_output=False, rescore_top=top)
+        quantize = OnnxInt4Weights(accuracy_level=1, minimums=True, int8_output=False, rescore_top=top)
         result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter().target.default_passes, quantize]))
         (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
         ops = [node.op_type for node in result.program.model.graph]
@@ -245,8 +238,8 @@ def test_quantize_modes_and_group_sizes_are_checked_when_the_config_is_built():
 
 @pytest.mark.parametrize("minimums", [True, False])
 def test_int4_keeps_the_inputs_of_the_layers_nearest_the_logits_in_fp32(minimums):
-    # 4 layers x 7 4-bit weights: float_tail 1/4 is the last 7 in graph order, the last layer; a packed
-    # group (q, k, v) counts whole once any of it is in
+    # 4 layers x 4 4-bit MatMuls (q k v and gate up packed): float_tail 1/4 is the last 4 in graph
+    # order, the last layer
     from hfexport.exporters import OnnxExporter as Exporter
     from hfexport.targets.onnx.passes.quantize import OnnxInt4Weights
 
@@ -261,11 +254,11 @@ def test_int4_keeps_the_inputs_of_the_layers_nearest_the_logits_in_fp32(minimums
         nodes = [node for node in graph if node.op_type == "MatMulNBits" and node.attributes["bits"].as_int() == 4]
         levels[tail] = [node.attributes["accuracy_level"].as_int() for node in nodes]
         (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
-        assert record.counts.get("float_input_weights", 0) == {1 / 4: 7, 1 / 8: 3, 0: 0}[tail]
-    per_layer = 4 if minimums else 7  # packed: q k v, o, gate up, down
+        assert record.counts.get("float_input_weights", 0) == {1 / 4: 4, 1 / 8: 2, 0: 0}[tail]
+    per_layer = 4  # packed: q k v, o, gate up, down
     assert levels[1 / 4] == [4] * 3 * per_layer + [1] * per_layer
-    # 3 weights (gate, up, down): with minimums gate and up share one MatMulNBits
-    assert levels[1 / 8] == [4] * (4 * per_layer - (2 if minimums else 3)) + [1] * (2 if minimums else 3)
+    # 2 of the 16 nodes: gate up (packed) and down
+    assert levels[1 / 8] == [4] * (4 * per_layer - 2) + [1] * 2
     assert levels[0] == [4] * 4 * per_layer
 
 
@@ -288,8 +281,8 @@ def test_int4_keeps_the_attention_projections_inputs_in_fp32(minimums):
         nodes = [node for node in graph if node.op_type == "MatMulNBits" and node.attributes["bits"].as_int() == 4]
         per_weight[attention] = [node.attributes["accuracy_level"].as_int() for node in nodes]
         (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
-        assert record.counts.get("float_input_weights", 0) == (3 * 4 if attention else 0)
-    layer = [1, 1, 4, 4] if minimums else [1, 1, 1, 1, 4, 4, 4]  # q k v packed with minimums, o, gate (up), down
+        assert record.counts.get("float_input_weights", 0) == (3 * 2 if attention else 0)
+    layer = [1, 1, 4, 4]  # q k v (packed), o, gate up (packed), down
     assert per_weight[True] == layer * 3
     assert per_weight[False] == [4] * len(layer) * 3
 

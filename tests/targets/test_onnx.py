@@ -210,8 +210,32 @@ def test_default_passes_fuse_rms_norms_rotary_embeddings_and_attention_matmuls_a
     # attention as q @ kᵀ · scale: the keys are not scaled, the mask made additive once for all layers
     assert ops["IsNaN"] == 0 and ops["Where"] == 1 and ops["Softmax"] == 2
     without = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True, optimize=False))
-    skipped = {"onnx_ort_fusions", "onnx_group_query_attention"}
+    skipped = {"onnx_ort_fusions", "onnx_group_query_attention", "onnx_packed_projections"}
     assert not any(p.name in skipped for s in without.records for p in s.children)
+
+
+def test_projections_that_read_one_input_are_packed_into_one_matmul_with_the_same_numbers(tmp_path):
+    model = build("tiny-llama")
+    inputs = sample_inputs(model, 2, 8)
+    packed = OnnxExporter().run(model, inputs, OnnxConfig(dynamic=True, verify=True))
+    (record,) = [p for s in packed.records for p in s.children if p.name == "onnx_packed_projections"]
+    # 2 layers: q k v into one, gate up into one; o, down and the lm_head read inputs of their own
+    assert record.counts == {"packed_matmuls": 2 * 5, "packs": 2 * 2}
+    graph = packed.program.model.graph
+    weights = [n for n in graph if n.op_type == "MatMul" and n.inputs[1].const_value is not None]
+    # hidden 64: q k v 64 + 32 + 32, o 64, gate up 2 x 128, down 64; the lm_head 128
+    assert sorted(n.inputs[1].shape[1] for n in weights) == [64, 64, 64, 64, 128, 128, 128, 256, 256]
+    assert sorted(len(n.outputs) for n in graph if n.op_type == "Split") == [2, 2, 3, 3]
+    passes = [p for p in get_target("onnx").default_passes if p != "onnx_packed_projections"]
+    unpacked = OnnxExporter().run(model, inputs, OnnxConfig(dynamic=True, passes=passes))
+    assert sum(n.op_type == "MatMul" and n.inputs[1].const_value is not None for n in unpacked.program.model.graph) == 15
+    other = sample_inputs(model, 3, 13, seed=1)
+    logits = {}
+    for name, result in (("packed", packed), ("unpacked", unpacked)):
+        save_export(tmp_path / name, {"model": result})
+        logits[name] = ExportFolder(tmp_path / name).runner().run(other)[0]
+    np.testing.assert_allclose(logits["packed"], logits["unpacked"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.as_tensor(logits["packed"]), eager(model, other).logits, atol=1e-4, rtol=0)
 
 
 def test_save_writes_one_file_a_weight_at_a_time_that_loads_as_torch_onnx_saves_it(tmp_path):

@@ -23,9 +23,10 @@ DEFAULT_PASSES: tuple[str, ...] = (
     "onnx_optimizer",
     "onnx_ort_fusions",
     "onnx_group_query_attention",
+    "onnx_packed_projections",
 )
 # what OnnxConfig(optimize=False) leaves out of the default list
-OPTIMIZATIONS = ("onnx_optimizer", "onnx_ort_fusions", "onnx_group_query_attention")
+OPTIMIZATIONS = ("onnx_optimizer", "onnx_ort_fusions", "onnx_group_query_attention", "onnx_packed_projections")
 
 
 def pass_list(config: Any) -> list[Any]:

@@ -194,3 +194,63 @@ def _remove_inner_identities(model: Any) -> None:
             continue
         node.outputs[0].replace_all_uses_with(node.inputs[0])
         model.graph.remove(node, safe=True)
+
+
+@register_pass(
+    name="onnx_packed_projections",
+    stage="onnx_passes",
+    runs_after=["onnx_group_query_attention"],
+    remove_when=(
+        "To keep one MatMul per linear layer in the graph (a consumer that looks layers up by their weights' "
+        "names); the values are the same either way."
+    ),
+)
+def onnx_packed_projections(program: Any) -> PassResult:
+    """The MatMuls that read one input with constant 2-D weights of one type (a layer's q, k and v
+    projections; its gate and up projections) as one ``MatMul`` over the weights side by side,
+    then a ``Split`` into their outputs. Each output column is computed as before, so the values
+    are the same; a decode step runs two kernels instead of three (two), and a quantization pass
+    after it quantizes the shared input once. Counts: ``packed_matmuls`` (the MatMuls replaced),
+    ``packs``."""
+    import numpy as np
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    graph = program.model.graph
+    initializers = set(graph.initializers.values())
+    readers: dict[Any, list[Any]] = {}
+    for node in graph:
+        weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" and len(node.inputs) == 2 else None
+        if weight is None or weight not in initializers or weight.const_value is None:
+            continue
+        if weight.shape is None or weight.shape.rank() != 2 or node.inputs[0] is None:
+            continue
+        readers.setdefault(node.inputs[0], []).append(node)
+    packed = packs = 0
+    for x, group in readers.items():
+        weights = [node.inputs[1] for node in group]
+        if len(group) < 2 or len({w.dtype for w in weights}) != 1 or len({w.shape[0] for w in weights}) != 1:
+            continue
+        base = weights[0].name
+        columns = np.concatenate([w.const_value.numpy() for w in weights], axis=1)
+        weight = ir.val(f"{base}_packed", const_value=ir.tensor(columns))
+        sizes = ir.val(f"{base}_packed_split", const_value=ir.tensor(np.array([w.shape[1] for w in weights])))
+        graph.register_initializer(weight)
+        graph.register_initializer(sizes)
+        matmul = ir.node("MatMul", [x, weight], name=f"{group[0].name}_packed")
+        matmul.metadata_props.update(group[0].metadata_props)  # the module it was recorded in
+        split = ir.node("Split", [matmul.outputs[0], sizes], attributes={"axis": -1}, num_outputs=len(group))
+        split.name = f"{group[0].name}_packed_split"
+        graph.insert_before(group[0], [matmul, split])
+        matmul.outputs[0].dtype = weights[0].dtype
+        for node, output in zip(group, split.outputs, strict=True):
+            old = node.outputs[0]
+            output.shape, output.dtype = old.shape, old.dtype
+            name = old.name
+            old.replace_all_uses_with(output, replace_graph_outputs=True)
+            old.name, output.name = None, name
+        packed += len(group)
+        packs += 1
+    if packs:
+        common.RemoveUnusedNodesPass()(program.model)
+    return PassResult(program, modified=packs > 0, counts={"packed_matmuls": packed, "packs": packs})

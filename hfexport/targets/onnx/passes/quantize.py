@@ -2,12 +2,13 @@
 after the onnxscript optimizer has folded each linear layer's weight into one constant ``MatMul``
 input.
 
-- ``onnx_int4_weights``: 4-bit weights in blocks of ``group_size`` along the input axis, each
-  with a scale and a float minimum (llama.cpp's Q4_1 form, :mod:`hfexport.targets.onnx.passes.blocks`),
-  as ``com.microsoft::MatMulNBits`` plus the minimums' term; the output projection in symmetric
-  8-bit blocks (ONNX Runtime's ``MatMulNBitsQuantizer``), or, tied to the embedding, in symmetric
-  4-bit blocks with its top logits recomputed from the fp32 table. With ``accuracy_level=4`` the kernel
-  quantizes activations to int8 on the fly, ONNX Runtime's fast CPU path.
+- ``onnx_int4_weights``: 4-bit weights in asymmetric blocks of ``group_size`` along the input axis
+  (ONNX Runtime's ``MatMulNBitsQuantizer``: a scale and an integer zero point per block), as
+  ``com.microsoft::MatMulNBits`` with ``accuracy_level=4``: the kernel quantizes activations to int8
+  on the fly, ONNX Runtime's fast CPU path. The output projection in symmetric 8-bit blocks, or, tied
+  to the embedding, in symmetric 4-bit blocks with its top logits recomputed from the fp32 table.
+  ``minimums=True`` gives llama.cpp's Q4_1 form instead (a float minimum per block,
+  :mod:`hfexport.targets.onnx.passes.blocks`), exact for a Q4_1 checkpoint, and slower.
 - ``onnx_int8_dynamic``: int8 weights and dynamically quantized int8 activations
   (``quantize_dynamic``: ``DynamicQuantizeLinear`` + ``MatMulInteger``).
 
@@ -65,40 +66,39 @@ def _counts(before: dict[str, int], after: Any, op_types: tuple[str, ...]) -> di
 
 
 class OnnxInt4Weights(Pass):
-    """MatMul weights to 4-bit blocks with a scale and a float minimum each (ONNX Runtime
-    ``MatMulNBits`` plus the minimums: :mod:`hfexport.targets.onnx.passes.blocks`). An output projection
-    tied to the embedding table goes to symmetric 4-bit blocks with its ``rescore_top`` highest
-    logits recomputed from the fp32 table (:mod:`hfexport.passes.top_logits`); any other stays in
-    symmetric 8-bit blocks.
+    """MatMul weights to asymmetric 4-bit blocks (ONNX Runtime's ``MatMulNBits``, integer zero
+    points), their inputs quantized to int8 per block on the fly (``accuracy_level=4``). An output
+    projection tied to the embedding table goes to symmetric 4-bit blocks with its ``rescore_top``
+    highest logits recomputed from the fp32 table (:mod:`hfexport.passes.top_logits`); any other
+    stays in symmetric 8-bit blocks. Weights that read one input are packed into one ``MatMul``
+    before (``onnx_packed_projections``), so q, k and v (gate and up) share a node and quantize their
+    input once.
 
-    With ``accuracy_level=4`` each ``MatMulNBits`` quantizes its input to int8 per block on the
-    fly, except two kinds of 4-bit linear layers, which keep their input in fp32
-    (``accuracy_level=1``):
+    The defaults are ONNX Runtime GenAI's model builder's form and speed (it takes symmetric blocks),
+    which its runtime and users compare against. SmolLM2-135M-Instruct in ``og.Generator``
+    (``benchmarks/results/onnx-int4-fast/README.md``): 7.3 ms a step against the builder's 7.4,
+    teacher-forced top-1 against fp32 78.1% (the builder's folder 73.4%), "The capital of France is
+    Paris, France.". Three options trade speed for exactness:
 
-    - the last ``float_tail`` of them in graph order (those nearest the logits): the error an int8
-      input puts there reaches the logits undamped (llama.cpp's Q4_K_M likewise gives the last
-      eighth of the layers more bits, its ``use_more_bits``);
-    - with ``float_attention``, the attention modules' own projections (q, k, v, o: the linear
-      layers torch.onnx records inside a class named ``…Attention``). Their inputs, the normed
-      hidden states and the attention output, were where int8 inputs did the most harm.
+    - ``minimums=True``: a float minimum per block (llama.cpp's Q4_1 form,
+      :mod:`hfexport.targets.onnx.passes.blocks`) instead of an integer zero point, which rounds the
+      minimum up to half a step off; a Q4_1 checkpoint (a GGUF file, like SmolLM2's) is then held
+      exactly. It adds a ``MatMul`` of the input's block sums per weight.
+    - ``float_attention=True``: the attention modules' own projections (q, k, v, o: the linear
+      layers torch.onnx records inside a class named ``…Attention``) keep fp32 inputs
+      (``accuracy_level=1``), where int8 inputs did the most harm.
+    - ``float_tail``: the last fraction of the 4-bit layers in graph order (those nearest the
+      logits) keep fp32 inputs (llama.cpp's Q4_K_M likewise gives the last layers more bits).
 
-    SmolLM2-135M-Instruct (a Q4_1 checkpoint, which these blocks hold exactly), teacher-forced
-    top-1 agreement with fp32 over the 64 positions after "What is the capital of France?": 95.3%
-    with the last eighth fp32, 100% with the attention projections too. Its first token, a
-    0.08-logit near-tie in fp32 ("The" over "L"), went to "L" with only the tail (and with half the
-    layers fp32), so the answer was "L'Étoile, la Cité, …"; with the attention projections the
-    margin is 0.13 and the answer "The capital of France is Paris." A step costs 4% more (6.61
-    against 6.86 ms in turns, fp32 17.78 ms). All fp32 inputs give the fp32 logits to 1e-3, at
-    about 1.35× the step.
-
-    ``minimums=False`` takes ONNX Runtime's own asymmetric blocks instead (an integer zero point:
-    one node per weight, less exact); ``int8_output=False`` puts an output projection that is not
-    rescored in 4 bits too; ``rescore_top=0`` rescores none (a tied output projection stays at 8 bits);
-    ``float_attention=False`` gives the attention projections int8 inputs too."""
+    All three (``minimums=True, float_attention=True, float_tail=1/8``, the default until
+    2026-12-06) gave SmolLM2 96.9% top-1 (fp32's own prefill against its decode: 96.9%) at 11.2 ms a
+    step (``benchmarks/results/onnx-int4-attention-inputs/README.md``).
+    ``int8_output=False`` puts an output projection that is not rescored in 4 bits too;
+    ``rescore_top=0`` rescores none (a tied output projection stays at 8 bits)."""
 
     name = "onnx_int4_weights"
     remove_when = "Appended by quantize='int4'; leave it out for fp32 weights."
-    description = "MatMul weights to 4-bit blocks of group_size (ONNX Runtime MatMulNBits); activations int8 on the fly"
+    description = "MatMul weights to 4-bit blocks of group_size (ONNX Runtime MatMulNBits); inputs int8 on the fly"
     stage = "onnx_passes"
     runs_after = ("onnx_optimizer",)
 
@@ -106,11 +106,11 @@ class OnnxInt4Weights(Pass):
         self,
         group_size: int = 32,
         accuracy_level: int = 4,
-        minimums: bool = True,
+        minimums: bool = False,
         int8_output: bool = True,
         rescore_top: int = TOP,
-        float_tail: float = 1 / 8,
-        float_attention: bool = True,
+        float_tail: float = 0.0,
+        float_attention: bool = False,
     ) -> None:
         if group_size < 16 or group_size & (group_size - 1):
             raise ConfigError(f"int4 group_size must be a power of two of at least 16, got {group_size}")
