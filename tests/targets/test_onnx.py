@@ -228,7 +228,8 @@ def test_projections_that_read_one_input_are_packed_into_one_matmul_with_the_sam
     assert sorted(len(n.outputs) for n in graph if n.op_type == "Split") == [2, 2, 3, 3]
     passes = [p for p in get_target("onnx").default_passes if p != "onnx_packed_projections"]
     unpacked = OnnxExporter().run(model, inputs, OnnxConfig(dynamic=True, passes=passes))
-    assert sum(n.op_type == "MatMul" and n.inputs[1].const_value is not None for n in unpacked.program.model.graph) == 15
+    graph = unpacked.program.model.graph
+    assert sum(n.op_type == "MatMul" and n.inputs[1].const_value is not None for n in graph) == 15
     other = sample_inputs(model, 3, 13, seed=1)
     logits = {}
     for name, result in (("packed", packed), ("unpacked", unpacked)):
