@@ -11,14 +11,23 @@ model builder (``python …/onnxruntime_genai/models/builder.py -i CHECKPOINT -o
     python3 -m venv /work/peers/venv-genai
     /work/peers/venv-genai/bin/pip install torch==2.13.0          # the CPU wheel, first, from the local disk
     /work/peers/venv-genai/bin/pip install onnxruntime-genai==0.18.0 transformers onnx onnx_ir onnxscript
+
+and, for ExecuTorch, optimum-executorch's ``optimum-cli export executorch … --recipe xnnpack --use_custom_sdpa
+--use_custom_kv_cache [--qlinear 8da4w]`` under ``--optimum-python`` (its own venv: it pins transformers 5.0.0rc1):
+
+    python3 -m venv /work/peers/venv-optimum-et
+    /work/peers/venv-optimum-et/bin/pip install torch==2.13.0
+    /work/peers/venv-optimum-et/bin/pip install executorch==1.4.1 torch==2.13.0 transformers==5.0.0rc1 \
+        optimum==2.0.0 accelerate optimum-executorch==1.1.0
  Per export: wall seconds, CPU seconds (user + system) and peak RSS of the child (``os.wait4``).
 
 Then every folder is run in its runtime's own loop, in this one process, in alternating rounds (the machine is shared:
 round r of every variant runs before round r + 1 of any): ONNX folders by ``og.Model`` / ``og.Generator`` (greedy),
 ``.pte`` programs by ExecuTorch's ``TextLLMRunner`` (temperature 0) with the ``tokenizer.json`` beside them. The prompt
 is the checkpoint's chat template around ``QUESTION``; per run: time to first token (the prompt in, one token out) and
-decode tokens/s (the later tokens over the time from the first to the last). The table gives the medians over the
-rounds and each variant's answer; ``results.json`` every figure; ``decode.png`` the decode speeds as a chart.
+decode tokens/s (the later tokens over the time from the first to the last). For ONNX folders also the teacher-forced
+top-1: the prompt and transformers' greedy fp32 continuation fed at once, how often the argmax is the next token. The
+table gives the medians over the rounds and each variant's answer; ``results.json`` every figure; ``decode.png`` the decode speeds as a chart.
 """
 
 from __future__ import annotations
@@ -42,13 +51,25 @@ HFEXPORT = {
     "executorch:8da4w": ["--format", "executorch", "--quantize", "8da4w"],
 }
 BUILDER = {"onnx:fp32": "fp32", "onnx:int4": "int4"}
+# optimum-executorch's recipe for ExecuTorch's LLM runner: its custom SDPA and KV cache (and 8da4w linears)
+OPTIMUM = {
+    "executorch:fp32": ["--use_custom_sdpa", "--use_custom_kv_cache"],
+    "executorch:8da4w": [
+        "--use_custom_sdpa",
+        "--use_custom_kv_cache",
+        "--qlinear",
+        "8da4w",
+        "--qlinear_group_size",
+        "32",
+    ],
+}
 
 
-def timed_child(command: list[str], log: Path) -> dict[str, Any]:
+def timed_child(command: list[str], log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``command``; its wall and CPU seconds and peak RSS (MiB) from its own rusage."""
     started = time.perf_counter()
     with open(log, "w") as out:
-        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status) != 0:
@@ -100,6 +121,23 @@ def export_all(args: argparse.Namespace, work: Path, checkpoint: Path) -> list[d
                     **timed_child(command, out.with_suffix(".log")),
                 }
             )
+        if variant in OPTIMUM and args.optimum_python:
+            out = work / f"optimum-{variant.replace(':', '-')}"
+            command = [str(Path(args.optimum_python).parent / "optimum-cli"), "export", "executorch"]
+            command += ["--model", str(checkpoint), "--task", "text-generation", "--recipe", "xnnpack"]
+            command += [*OPTIMUM[variant], "--max_seq_len", str(args.cache_len), "--output_dir", str(out)]
+            print(f"export {variant} (optimum-executorch) ...", file=sys.stderr, flush=True)
+            rows.append(
+                {
+                    "variant": variant,
+                    "exporter": "optimum-executorch",
+                    "folder": str(out),
+                    # its .pte has no get_eos_ids: the runner takes the stop token from the tokenizer, which reads
+                    # it from tokenizer_config.json when given the checkpoint folder (tokenizer.json alone: none)
+                    "tokenizer": str(checkpoint),
+                    **timed_child(command, out.with_suffix(".log"), {"HF_HUB_OFFLINE": "1"}),
+                }
+            )
     return rows
 
 
@@ -112,6 +150,18 @@ class GenAiLoop:
         self.og = og
         self.model = og.Model(folder)
         self.tokenizer = og.Tokenizer(self.model)
+
+    def top1(self, ids: list[int], prompt_len: int) -> float:
+        """Teacher-forced top-1: how often the argmax after each of ``ids[prompt_len - 1 : -1]`` (the prompt and a
+        reference continuation, fed at once) is the reference's next token."""
+        import numpy as np
+
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(ids) + 1, do_sample=False)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(np.array(ids, dtype=np.int32))
+        predicted = np.asarray(generator.get_output("logits"))[0, prompt_len - 1 : len(ids) - 1].argmax(-1)
+        return float((predicted == np.array(ids[prompt_len:])).mean())
 
     def __call__(self, new_tokens: int) -> tuple[float, float, str]:
         og = self.og
@@ -138,15 +188,15 @@ class GenAiLoop:
 class RunnerLoop:
     """ExecuTorch's ``TextLLMRunner``, temperature 0, over a ``.pte`` and the tokenizer beside it."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, tokenizer_path: str | None = None) -> None:
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  the runner's build has them
         from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
         from transformers import AutoTokenizer
 
         self.config_class = GenerationConfig
         pte = next(Path(folder).glob("*.pte"))
-        self.runner = TextLLMRunner(str(pte), str(Path(folder) / "tokenizer.json"))
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.runner = TextLLMRunner(str(pte), tokenizer_path or str(Path(folder) / "tokenizer.json"))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or folder)
         messages = [{"role": "user", "content": QUESTION}]
         self.prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -166,8 +216,27 @@ class RunnerLoop:
         return times[0] - started, decode, "".join(pieces)
 
 
-def decode_rounds(rows: list[dict[str, Any]], rounds: int, new_tokens: int) -> None:
-    loops = {id(row): (GenAiLoop if row["variant"].startswith("onnx") else RunnerLoop)(row["folder"]) for row in rows}
+def eager_reply(checkpoint: Path, new_tokens: int) -> tuple[list[int], int]:
+    """The prompt's ids and transformers' greedy continuation (``model.generate``, fp32), and the prompt's length."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    messages = [{"role": "user", "content": QUESTION}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        ids = model.generate(**prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return ids[0].tolist(), prompt["input_ids"].shape[1]
+
+
+def decode_rounds(rows: list[dict[str, Any]], rounds: int, new_tokens: int, checkpoint: Path) -> None:
+    loops = {
+        id(row): GenAiLoop(row["folder"])
+        if row["variant"].startswith("onnx")
+        else RunnerLoop(row["folder"], row.get("tokenizer"))
+        for row in rows
+    }
     for row in rows:
         row["runs"] = []
     for index in range(rounds + 1):  # round 0 warms up
@@ -179,6 +248,10 @@ def decode_rounds(rows: list[dict[str, Any]], rounds: int, new_tokens: int) -> N
                 )
             row["answer"] = answer
         print(f"round {index}/{rounds} done", file=sys.stderr, flush=True)
+    reference, prompt_len = eager_reply(checkpoint, new_tokens)
+    for row in rows:
+        if isinstance(loops[id(row)], GenAiLoop):
+            row["teacher_forced_top1"] = round(loops[id(row)].top1(reference, prompt_len), 3)
     for row in rows:
         row["first_token_seconds"] = statistics.median(r["first_token_seconds"] for r in row["runs"])
         row["decode_tokens_per_second"] = statistics.median(r["decode_tokens_per_second"] for r in row["runs"])
@@ -187,16 +260,17 @@ def decode_rounds(rows: list[dict[str, Any]], rounds: int, new_tokens: int) -> N
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| variant | exporter | export wall s | export CPU s | export peak RSS MiB | runtime loop | first token ms "
-        "| decode tok/s | answer |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| decode tok/s | teacher-forced top-1 | answer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         loop = "og.Generator" if row["variant"].startswith("onnx") else "TextLLMRunner"
         answer = " ".join(row["answer"].split())[:70].replace("|", "\\|")
+        top1 = f"{row['teacher_forced_top1']:.1%}" if "teacher_forced_top1" in row else "–"
         lines.append(
             f"| {row['variant']} | {row['exporter']} | {row['wall_seconds']} | {row['cpu_seconds']} | "
             f"{row['peak_rss_mib']} | {loop} | {row['first_token_seconds'] * 1000:.0f} | "
-            f"{row['decode_tokens_per_second']:.1f} | {answer} |"
+            f"{row['decode_tokens_per_second']:.1f} | {top1} | {answer} |"
         )
     return "\n".join(lines)
 
@@ -208,11 +282,11 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"{row['variant']}\n{row['exporter']}" for row in rows]
-    colours = ["tab:blue" if row["exporter"] == "hfexport" else "tab:orange" for row in rows]
+    colours = [{"hfexport": "tab:blue", "builder": "tab:orange"}.get(row["exporter"], "tab:green") for row in rows]
     figure, axis = plt.subplots(figsize=(1.6 * len(rows) + 2, 4))
     axis.bar(labels, [row["decode_tokens_per_second"] for row in rows], color=colours)
     axis.set_ylabel("decode tokens/s (median)")
-    axis.set_title("SmolLM2-135M-Instruct in the runtimes' own loops (blue: hfexport)")
+    axis.set_title("SmolLM2-135M-Instruct in the runtimes' own loops (blue: hfexport; orange, green: the peers)")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
@@ -222,6 +296,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", default="smollm2-135m-instruct")
     parser.add_argument("--variants", default=",".join(HFEXPORT), help=f"comma-separated, of {', '.join(HFEXPORT)}")
     parser.add_argument("--builder-python", help="the Python of a venv with onnxruntime-genai's builder (torch 2.13.0)")
+    parser.add_argument("--optimum-python", help="the Python of a venv with optimum-executorch (torch 2.13.0)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--cache-len", type=int, default=256)
@@ -238,9 +313,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="runtime-loops-") as work:
         rows = export_all(args, Path(work), checkpoint)
-        decode_rounds(rows, args.rounds, args.new_tokens)
+        decode_rounds(rows, args.rounds, args.new_tokens, checkpoint)
     for row in rows:
         row.pop("folder")
+        row.pop("tokenizer", None)
     (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     text = table(rows)
     (out / "table.md").write_text(text + "\n")
