@@ -154,6 +154,7 @@ def _export(args: argparse.Namespace) -> int:
     from hfexport.models.processor_inputs import sample_inputs_for
     from hfexport.models.tasks import infer_task
     from hfexport.pipeline.instruments import ProgressInstrument
+    from hfexport.pipeline.pass_manager import private_weights
     from hfexport.pipeline.pipeline import stage_table
     from hfexport.precision import group_by_dtype, in_dtype
     from hfexport.targets import save_export
@@ -177,6 +178,7 @@ def _export(args: argparse.Namespace) -> int:
         # every target exports one dtype: convert now and drop the loaded copy, which the export
         # would otherwise hold beside its converted one to the end
         model, _ = in_dtype(model, {}, next(iter(dtypes)), configs)
+    private_weights(model)  # the command line's own: its programs need no copy of the weights
     source = model_folder(args.model)
     if getattr(model.config, "is_encoder_decoder", False):
         # the runtimes' own loops run a decoder-only model: an encoder-decoder keeps the spec's interface

@@ -86,7 +86,11 @@ def converted_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
     """A copy of ``model`` whose floating-point parameters and buffers are ``dtype`` (what
     ``copy.deepcopy(model).to(dtype)`` gives, tied weights still tied). Each converted tensor is
     made from the original directly: the copy never holds the weights in their old dtype, so the
-    peak is the model plus its converted weights. ``model`` is not changed."""
+    peak is the model plus its converted weights. ``model`` is not changed. The copy's weights are
+    hfexport's alone (:func:`~hfexport.pipeline.pass_manager.private_weights`): the programs made
+    from it share them."""
+    from hfexport.pipeline.pass_manager import private_weights
+
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) in memo or not tensor.is_floating_point() or tensor.dtype == dtype:
@@ -96,7 +100,7 @@ def converted_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
         if isinstance(tensor, torch.nn.Parameter):
             value = torch.nn.Parameter(value, requires_grad=tensor.requires_grad)
         memo[id(tensor)] = value
-    copied = copy.deepcopy(model, memo)
+    copied = private_weights(copy.deepcopy(model, memo))
     config = getattr(copied, "config", None)
     if config is not None and hasattr(config, "dtype"):
         # what from_pretrained(dtype=...) records; some models read it to make their caches

@@ -17,6 +17,7 @@ Both report ``quantized_weights`` like the FX quantization passes (:mod:`hfexpor
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from hfexport.passes.quantize import checked_rescore_top
 from hfexport.passes.top_logits import TOP
 from hfexport.pipeline.numerics import QUANTIZED_WEIGHTS
 from hfexport.pipeline.pass_manager import Pass, PassResult, register_pass
+from hfexport.targets.onnx.passes.domains import MS_DOMAIN
 from hfexport.versions import quiet_loggers
 
 ONNX_QUANTIZATION = {"int4": "onnx_int4_weights", "int8": "onnx_int8_dynamic"}
@@ -46,23 +48,29 @@ def _program(proto: Any, like: Any) -> Any:
     return torch.onnx.ONNXProgram(ir.serde.deserialize_model(proto), like.exported_program)
 
 
-def _weight_kib(proto: Any) -> float:
-    from onnx import numpy_helper
+def _weight_kib(graph: Any) -> float:
+    """The top graph's initializers' size (an unread lazy one is not made for it)."""
+    return sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None) / 2**10
 
-    return sum(numpy_helper.to_array(t).nbytes for t in proto.graph.initializer) / 2**10
 
-
-def _before(model: Any) -> dict[str, int]:
+def _before(graph: Any) -> dict[str, int]:
     """The figures of a model about to be quantized that :func:`_counts` reports beside its own."""
     return {
-        "matmuls_before": sum(1 for node in model.graph.node if node.op_type == "MatMul"),
-        "weight_kib_before": round(_weight_kib(model)),
+        "matmuls_before": sum(1 for node in graph if node.op_type == "MatMul" and node.domain == ""),
+        "weight_kib_before": round(_weight_kib(graph)),
     }
 
 
 def _counts(before: dict[str, int], after: Any, op_types: tuple[str, ...]) -> dict[str, int]:
-    quantized = sum(1 for node in after.graph.node if node.op_type in op_types)
-    return {QUANTIZED_WEIGHTS: quantized, **before, "weight_kib_after": round(_weight_kib(after))}
+    """``before`` and the quantized nodes and weight size of ``after`` (an onnx_ir graph or an ``onnx.GraphProto``)."""
+    if hasattr(after, "initializers"):
+        quantized, kib = sum(1 for node in after if node.op_type in op_types), _weight_kib(after)
+    else:
+        from onnx import numpy_helper
+
+        quantized = sum(1 for node in after.node if node.op_type in op_types)
+        kib = sum(numpy_helper.to_array(t).nbytes for t in after.initializer) / 2**10
+    return {QUANTIZED_WEIGHTS: quantized, **before, "weight_kib_after": round(kib)}
 
 
 class OnnxInt4Weights(Pass):
@@ -125,39 +133,47 @@ class OnnxInt4Weights(Pass):
         self.rescore_top = checked_rescore_top(rescore_top)
 
     def __call__(self, program: Any) -> PassResult:
-        from hfexport.targets.onnx.passes.blocks import rewrite_with_minimum_blocks
+        """Quantize on the onnx_ir model, one weight at a time: the fp32 weights are read where they
+        are (the captured program's tensors, or made when read), never copied as a whole model."""
+        import onnx_ir.passes.common as common
 
-        model = _proto(program)
-        before = _before(model)
-        untied = _untie_transposed_weights(model)
-        matmuls = _weight_matmuls(model)
-        attention = _attention_projections(model, set(matmuls)) if self.float_attention else set()
-        outputs = _output_matmuls(model, matmuls)
-        heads = {node.name: node.output[0] for node in model.graph.node if node.name in outputs}
+        graph = program.model.graph
+        before = _before(graph)
+        untied = _untie_transposed_weights(graph)
+        matmuls = _weight_matmuls(graph)
+        attention = _attention_projections(matmuls) if self.float_attention else set()
+        outputs = {name for name, node in matmuls.items() if node.outputs[0] in graph.outputs}
         # an output projection tied to an embedding table the model keeps in fp32 goes to 4 bits,
         # its top logits recomputed from the table (hfexport.passes.top_logits)
-        rescored = _embedding_tables(model, set(heads)) if self.rescore_top else {}
-        kept = set(heads) - set(rescored) if self.int8_output else set()
-        # symmetric 8 bits for the output projection: a tied table from a GGUF file is Q8_0, which
-        # symmetric blocks hold exactly; SmolLM2 int4, teacher-forced top-1: 87% asymmetric, 95% symmetric
-        if kept:
-            model = self._ort_blocks(model, 8, True, set(matmuls) - kept)
-        if rescored:
-            model = self._ort_blocks(model, 4, True, set(matmuls) - set(rescored))
+        heads = {name: matmuls[name] for name in outputs}
+        rescored = _embedding_tables(graph, heads, untied) if self.rescore_top else {}
+        kept = outputs - set(rescored) if self.int8_output else set()
         rest = set(matmuls) - kept - set(rescored)
         floats = set()
         if self.accuracy_level != 1:
-            floats = _last_in_graph_order(model, rest, self.float_tail) | (attention & rest)
-        if self.minimums:
+            floats = _last_in_graph_order(graph, rest, self.float_tail) | (attention & rest)
+        # symmetric 8 bits for the output projection: a tied table from a GGUF file is Q8_0, which
+        # symmetric blocks hold exactly; SmolLM2 int4, teacher-forced top-1: 87% asymmetric, 95% symmetric
+        replaced = {name: self._blocks(graph, matmuls[name], 8, True) for name in kept}
+        replaced |= {name: self._blocks(graph, matmuls[name], 4, True) for name in rescored}
+        packed = 0
+        if self.minimums and rest:
+            from hfexport.targets.onnx.passes.blocks import rewrite_with_minimum_blocks
+
+            # the float minimums' rewrite works on the protobuf model: a copy of the weights, this option's cost
+            model = _proto(program)
             packed = rewrite_with_minimum_blocks(model, rest, self.group_size, self.accuracy_level, frozenset(floats))
-        elif rest:
-            model = self._ort_blocks(model, 4, False, kept | set(rescored) | floats)
-            if floats:
-                model = self._ort_blocks(model, 4, False, set(matmuls) - floats, accuracy_level=1)
+            program = _program(model, program)
+            graph = program.model.graph
+        else:
+            for name in sorted(rest):
+                level = 1 if name in floats else self.accuracy_level
+                self._blocks(graph, matmuls[name], 4, False, level)
         for name, table in rescored.items():
-            head = next(node for node in model.graph.node if heads[name] in node.output)
-            rescore_onnx(model, head, table, self.rescore_top)
-        counts = _counts(before, model, ("MatMulNBits",))
+            head = next(node for node in graph if node.name == replaced[name])
+            rescore_onnx(graph, head, graph.initializers[table], self.rescore_top)
+        common.RemoveUnusedNodesPass()(program.model)
+        counts = _counts(before, graph, ("MatMulNBits",))
         if self.minimums:  # weights packed side by side share a MatMulNBits node: count the weights
             counts["matmulnbits_nodes"] = counts[QUANTIZED_WEIGHTS]
             counts[QUANTIZED_WEIGHTS] = packed + len(kept) + len(rescored)
@@ -168,130 +184,161 @@ class OnnxInt4Weights(Pass):
         if rescored:
             counts["rescored_outputs"] = len(rescored)
         if untied:
-            counts["untied_weights"] = untied
-        return PassResult(_program(model, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
+            counts["untied_weights"] = len(untied)
+        return PassResult(program, modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
 
-    def _ort_blocks(
-        self, model: Any, bits: int, symmetric: bool, excluded: set[str], accuracy_level: int | None = None
-    ) -> Any:
+    def _blocks(self, graph: Any, node: Any, bits: int, symmetric: bool, accuracy_level: int | None = None) -> str:
+        """Replace ``node`` (a MatMul with a constant [K, N] weight) by a ``MatMulNBits`` of its weight
+        in blocks of ``group_size`` (ONNX Runtime's quantizer: a scale per block, and an integer zero
+        point unless ``symmetric``); the new node's name."""
+        import onnx_ir as ir
+
         with quiet_loggers():
-            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+            from onnxruntime.quantization.matmul_nbits_quantizer import (
+                DefaultWeightOnlyQuantConfig,
+                DefaultWeightOnlyQuantizer,
+            )
 
-        quantizer = MatMulNBitsQuantizer(
-            model,
-            bits=bits,
-            block_size=self.group_size,
-            is_symmetric=symmetric,
-            accuracy_level=accuracy_level or self.accuracy_level,
-            nodes_to_exclude=sorted(excluded),
+        level = accuracy_level or self.accuracy_level
+        config = DefaultWeightOnlyQuantConfig(
+            block_size=self.group_size, is_symmetric=symmetric, accuracy_level=level, bits=bits
         )
-        with quiet_loggers():
-            quantizer.process()
-        return quantizer.model.model
+        weight = node.inputs[1]
+        array = np.ascontiguousarray(weight.const_value.numpy())  # the kernel reads it row-major
+        kind = array.dtype
+        if kind not in (np.float32, np.float16):  # bfloat16: blocks made in float32, scales back in it
+            array = array.astype(np.float32)
+        blocks, scales, zero_points = DefaultWeightOnlyQuantizer(config).qbits_block_quant(array)
+        base = weight.name
+        inputs = [node.inputs[0], _initializer(graph, f"{base}_Q{bits}", blocks)]
+        inputs.append(_initializer(graph, f"{base}_scales", scales.astype(kind)))
+        if not symmetric:
+            inputs.append(_initializer(graph, f"{base}_zero_points", zero_points))
+        k, n = array.shape
+        attributes = {"K": k, "N": n, "bits": bits, "block_size": self.group_size, "accuracy_level": level}
+        quantized = ir.node("MatMulNBits", inputs, attributes=attributes, domain=MS_DOMAIN, name=f"{node.name}_Q{bits}")
+        quantized.metadata_props.update(node.metadata_props)
+        graph.insert_before(node, quantized)
+        _take_over(graph, node.outputs[0], quantized.outputs[0])
+        graph.remove(node, safe=True)
+        graph.opset_imports.setdefault(MS_DOMAIN, 1)
+        return quantized.name
 
 
-def _last_in_graph_order(model: Any, names: set[str], fraction: float) -> set[str]:
-    """The last ``fraction`` (rounded down) of the top graph's nodes named in ``names``, in graph
-    order: a packed group (q, k, v) counts whole once any of it is in."""
-    order = [node.name for node in model.graph.node if node.name in names]
+def _initializer(graph: Any, name: str, array: np.ndarray) -> Any:
+    import onnx_ir as ir
+
+    value = ir.val(name, const_value=ir.tensor(array))
+    graph.register_initializer(value)
+    return value
+
+
+def _take_over(graph: Any, old: Any, new: Any) -> None:
+    """Every use of ``old`` (a graph output too) reads ``new``, which takes its name, type and shape."""
+    name, new.shape, new.dtype = old.name, old.shape, old.dtype
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    old.name, new.name = None, name
+
+
+def _last_in_graph_order(graph: Any, names: set[str], fraction: float) -> set[str]:
+    """The last ``fraction`` (rounded down) of the top graph's nodes named in ``names``, in graph order."""
+    order = [node.name for node in graph if node.name in names]
     count = int(len(order) * fraction)
     return set(order[len(order) - count :]) if count else set()
 
 
-def _attention_projections(model: Any, names: set[str]) -> set[str]:
-    """The top graph's nodes named in ``names`` that torch.onnx recorded inside an attention module:
+def _attention_projections(matmuls: dict[str, Any]) -> set[str]:
+    """The names of the nodes in ``matmuls`` that torch.onnx recorded inside an attention module:
     a class whose name ends in ``Attention`` in the node's ``pkg.torch.onnx.class_hierarchy``
     (``LlamaAttention``, ``GPT2Attention``, ``BertSelfAttention``, …)."""
     import ast
 
     found = set()
-    for node in model.graph.node:
-        if node.name not in names:
-            continue
-        recorded = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.class_hierarchy"), "[]")
+    for name, node in matmuls.items():
+        recorded = node.metadata_props.get("pkg.torch.onnx.class_hierarchy", "[]")
         try:
             hierarchy = ast.literal_eval(recorded)
         except (ValueError, SyntaxError):
             continue
         if any(isinstance(cls, str) and cls.rsplit(".", 1)[-1].endswith("Attention") for cls in hierarchy):
-            found.add(node.name)
+            found.add(name)
     return found
 
 
-def _untie_transposed_weights(model: Any) -> int:
+def _untie_transposed_weights(graph: Any) -> dict[str, str]:
     """Give each ``MatMul`` whose weight is ``Transpose(initializer)`` its own transposed
-    initializer, and return how many. A tied output projection reads the embedding table that
-    way (the optimizer does not fold a transposed copy of a constant that large), as does every
-    linear layer when the optimizer is off, and the quantizers only take a ``MatMul`` whose weight
-    is an initializer: SmolLM2's 113 MB output projection stayed fp32 in the 4-bit model."""
-    from onnx import numpy_helper
+    initializer (made when read); ``{its name: the initializer it is the transpose of}``. A tied
+    output projection reads the embedding table that way (the optimizer does not fold a transposed
+    copy of a constant that large), as does every linear layer when the optimizer is off, and the
+    quantizers only take a ``MatMul`` whose weight is an initializer: SmolLM2's 113 MB output
+    projection stayed fp32 in the 4-bit model."""
+    import onnx_ir as ir
 
-    initializers = {t.name: t for t in model.graph.initializer}
-    producers = {output: node for node in model.graph.node for output in node.output}
-    readers: dict[str, int] = {}
-    for node in model.graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    graph_outputs = {o.name for o in model.graph.output}
-    untied = 0
-    unused = []
-    for node in model.graph.node:
-        if node.op_type != "MatMul" or len(node.input) != 2:
+    initializers = set(graph.initializers.values())
+    untied: dict[str, str] = {}
+    for node in list(graph):
+        if node.op_type != "MatMul" or node.domain != "" or len(node.inputs) != 2 or node.inputs[1] is None:
             continue
-        transpose = producers.get(node.input[1])
-        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in initializers:
+        transpose = node.inputs[1].producer()
+        if transpose is None or transpose.op_type != "Transpose" or transpose.inputs[0] not in initializers:
             continue
-        perm = [list(a.ints) for a in transpose.attribute if a.name == "perm"]
-        weight = numpy_helper.to_array(initializers[transpose.input[0]])
-        if weight.ndim != 2 or (perm and perm[0] != [1, 0]):
+        source = transpose.inputs[0]
+        perm = transpose.attributes.get_ints("perm", None)
+        if source.const_value is None or len(source.const_value.shape) != 2 or (perm and list(perm) != [1, 0]):
             continue
-        name = f"{transpose.input[0]}_transposed_{untied}"
-        model.graph.initializer.append(numpy_helper.from_array(weight.T.copy(), name))
-        readers[node.input[1]] -= 1
-        node.input[1] = name
-        untied += 1
-        if readers[transpose.output[0]] == 0 and transpose.output[0] not in graph_outputs:
-            unused.append(transpose)
-    for transpose in unused:
-        model.graph.node.remove(transpose)
+        tensor = source.const_value
+        shape = ir.Shape(list(tensor.shape)[::-1])
+        lazy = ir.LazyTensor(functools.partial(_transposed, tensor), tensor.dtype, shape)
+        weight = ir.val(f"{source.name}_transposed_{len(untied)}", const_value=lazy)
+        graph.register_initializer(weight)
+        node.replace_input_with(1, weight)
+        untied[weight.name] = source.name
+        if not transpose.outputs[0].uses() and not transpose.outputs[0].is_graph_output():
+            graph.remove(transpose, safe=True)
     return untied
 
 
-def _embedding_tables(model: Any, names: set[str]) -> dict[str, str]:
-    """``{MatMul name: table}`` for the MatMuls in ``names`` whose constant weight [K, N] is the
-    transpose of a table [N, K] a ``Gather`` reads (an output projection tied to the embedding)."""
-    from onnx import numpy_helper
+def _transposed(tensor: Any) -> Any:
+    import onnx_ir as ir
 
-    initializers = {t.name: t for t in model.graph.initializer}
-    tables = {node.input[0] for node in model.graph.node if node.op_type == "Gather" and node.input[0] in initializers}
+    return ir.tensor(np.ascontiguousarray(tensor.numpy().T))
+
+
+def _embedding_tables(graph: Any, matmuls: dict[str, Any], untied: dict[str, str]) -> dict[str, str]:
+    """``{MatMul name: table}`` for the MatMuls in ``matmuls`` whose constant weight [K, N] is the
+    transpose of a table [N, K] a ``Gather`` reads (an output projection tied to the embedding):
+    an ``untied`` one, or one equal to the table's transpose."""
+    tables = {
+        node.inputs[0].name
+        for node in graph
+        if node.op_type == "Gather" and node.inputs[0] is not None and node.inputs[0].is_initializer()
+    }
     found = {}
-    for node in model.graph.node:
-        if node.name not in names or node.input[1] not in initializers:
+    for name, node in matmuls.items():
+        weight = node.inputs[1]
+        source = untied.get(weight.name)
+        if source in tables:
+            found[name] = source
             continue
-        weight = initializers[node.input[1]]
         for table in sorted(tables):
-            if list(initializers[table].dims) != list(weight.dims)[::-1]:
+            value = graph.initializers[table]
+            if list(value.const_value.shape) != list(weight.const_value.shape)[::-1]:
                 continue
-            if np.array_equal(numpy_helper.to_array(initializers[table]).T, numpy_helper.to_array(weight)):
-                found[node.name] = table
+            if np.array_equal(value.const_value.numpy().T, weight.const_value.numpy()):
+                found[name] = table
                 break
     return found
 
 
-def _weight_matmuls(model: Any) -> dict[str, list[int]]:
-    """``{node name: weight shape [in, out]}`` of the top graph's MatMuls with a constant weight."""
-    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
-    return {
-        node.name: shapes[node.input[1]]
-        for node in model.graph.node
-        if node.op_type == "MatMul" and len(node.input) == 2 and len(shapes.get(node.input[1], ())) == 2
-    }
-
-
-def _output_matmuls(model: Any, matmuls: dict[str, list[int]]) -> set[str]:
-    """The weight MatMuls producing a graph output (the logits: the output projection)."""
-    outputs = {o.name for o in model.graph.output}
-    return {node.name for node in model.graph.node if node.name in matmuls and node.output[0] in outputs}
+def _weight_matmuls(graph: Any) -> dict[str, Any]:
+    """``{node name: node}`` of the top graph's MatMuls with a constant 2-D weight (an initializer)."""
+    found = {}
+    for node in graph:
+        weight = node.inputs[1] if node.op_type == "MatMul" and node.domain == "" and len(node.inputs) == 2 else None
+        if weight is not None and weight.is_initializer() and weight.const_value is not None:
+            if len(weight.const_value.shape) == 2:
+                found[node.name] = node
+    return found
 
 
 class OnnxInt8Dynamic(Pass):
@@ -309,51 +356,52 @@ class OnnxInt8Dynamic(Pass):
         with quiet_loggers():
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
+        graph = program.model.graph
+        before = _before(graph)
+        untied = _untie_transposed_weights(graph)
         model = _proto(program)
-        before = _before(model)
-        untied = _untie_transposed_weights(model)
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "quantized.onnx"
             with quiet_loggers():
                 # per-tensor weights: per_channel=True measured worse on SmolLM2 (logit cosine 0.75 vs 0.96)
                 quantize_dynamic(model, path, op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8)
             after = onnx.load(path)
-        counts = _counts(before, after, ("MatMulInteger", "DynamicQuantizeMatMul"))
+        counts = _counts(before, after.graph, ("MatMulInteger", "DynamicQuantizeMatMul"))
         if untied:
-            counts["untied_weights"] = untied
+            counts["untied_weights"] = len(untied)
         return PassResult(_program(after, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
 
 
-def rescore_onnx(model: Any, head: Any, table: str, top: int = TOP) -> None:
-    """Add the exact rescoring after ``head`` (an ``onnx.NodeProto`` of ``model``'s top graph whose
-    first output is the logits, first input the hidden state) from the [vocab, hidden] initializer
-    ``table``, in place: the logits keep their name."""
-    import numpy as np
-    from onnx import helper, numpy_helper
+def rescore_onnx(graph: Any, head: Any, table: Any, top: int = TOP) -> None:
+    """Add the exact rescoring after ``head`` (a node of ``graph``, onnx_ir's, whose first output is
+    the logits, first input the hidden state) from ``table``, a [vocab, hidden] initializer, in
+    place: the logits keep their name."""
+    import onnx_ir as ir
 
-    vocab = next(list(t.dims) for t in model.graph.initializer if t.name == table)[0]
-    logits, x = head.output[0], head.input[0]
-    approx, base = f"{logits}_approx", f"{head.name}_top"
-    head.output[0] = approx
-    model.graph.initializer.extend(
-        [
-            numpy_helper.from_array(np.array([min(top, vocab)], np.int64), f"{base}_k"),
-            numpy_helper.from_array(np.array([-1], np.int64), f"{base}_axis"),
-        ]
+    logits, x = head.outputs[0], head.inputs[0]
+    base = f"{head.name}_top"
+    k = _initializer(graph, f"{base}_k", np.array([min(top, table.shape[0])], np.int64))
+    axis = _initializer(graph, f"{base}_axis", np.array([-1], np.int64))
+    best = ir.node("TopK", [logits, k], attributes={"axis": -1}, num_outputs=2, name=base)
+    rows = ir.node("Gather", [table, best.outputs[1]], name=f"{base}_rows")
+    column = ir.node("Unsqueeze", [x, axis], name=f"{base}_column")
+    products = ir.node("MatMul", [rows.outputs[0], column.outputs[0]], name=f"{base}_exact")
+    exact = ir.node("Squeeze", [products.outputs[0], axis], name=f"{base}_drop")
+    scatter = ir.node(
+        "ScatterElements", [logits, best.outputs[1], exact.outputs[0]], attributes={"axis": -1}, name=f"{base}_scatter"
     )
-    nodes = [
-        helper.make_node("TopK", [approx, f"{base}_k"], [f"{base}_values", f"{base}_index"], axis=-1, name=base),
-        helper.make_node("Gather", [table, f"{base}_index"], [f"{base}_rows"], name=f"{base}_rows"),
-        helper.make_node("Unsqueeze", [x, f"{base}_axis"], [f"{base}_column"], name=f"{base}_column"),
-        helper.make_node("MatMul", [f"{base}_rows", f"{base}_column"], [f"{base}_products"], name=f"{base}_exact"),
-        helper.make_node("Squeeze", [f"{base}_products", f"{base}_axis"], [f"{base}_exact"], name=f"{base}_drop"),
-        helper.make_node(
-            "ScatterElements", [approx, f"{base}_index", f"{base}_exact"], [logits], axis=-1, name=f"{base}_scatter"
-        ),
-    ]
-    position = list(model.graph.node).index(head) + 1
-    for offset, node in enumerate(nodes):
-        model.graph.node.insert(position + offset, node)
+    nodes = [best, rows, column, products, exact, scatter]
+    users = [(use.node, use.idx) for use in logits.uses() if use.node not in (best, scatter)]
+    for user, index in users:
+        user.replace_input_with(index, scatter.outputs[0])
+    for index, output in enumerate(graph.outputs):
+        if output is logits:
+            graph.outputs[index] = scatter.outputs[0]
+    name = logits.name
+    scatter.outputs[0].shape, scatter.outputs[0].dtype = logits.shape, logits.dtype
+    logits.name = f"{name}_approx"
+    scatter.outputs[0].name = name
+    graph.insert_after(head, nodes)
 
 
 register_pass(OnnxInt4Weights)
