@@ -193,3 +193,25 @@ def test_pass_returning_a_non_program_is_named():
     program = torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
     with pytest.raises(PassError, match="returns_a_string.*passes before it: a, b"):
         execute_pass(ReturnsAString(), program, ["a", "b"])
+
+
+def test_a_program_copies_the_weights_a_user_holds_and_shares_those_only_hfexport_holds():
+    # the copy doubled an export's peak memory; a model hfexport converted (or the command line
+    # loaded) is no one else's, so its programs share its tensors until a user's pass runs
+    from hfexport.pipeline.pass_manager import own_weights
+    from hfexport.precision import converted_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    def pointers(program):
+        return {t.data_ptr() for t in program.state_dict.values()}
+
+    users = {t.data_ptr() for t in model.state_dict().values()}
+    program = torch.export.export(model, (torch.ones(3, 4),))
+    assert pointers(program) <= users  # torch.export holds the model's own tensors
+    assert not pointers(own_weights(program)) & users
+    converted = converted_model(model, torch.bfloat16)
+    privates = {t.data_ptr() for t in converted.state_dict().values()}
+    program = torch.export.export(converted, (torch.ones(3, 4, dtype=torch.bfloat16),))
+    assert pointers(own_weights(program)) <= privates  # shared
+    assert not pointers(own_weights(program, everything=True)) & privates  # before a user's pass
