@@ -27,7 +27,8 @@ round r of every variant runs before round r + 1 of any): ONNX folders by ``og.M
 is the checkpoint's chat template around ``QUESTION``; per run: time to first token (the prompt in, one token out) and
 decode tokens/s (the later tokens over the time from the first to the last). For ONNX folders also the teacher-forced
 top-1: the prompt and transformers' greedy fp32 continuation fed at once, how often the argmax is the next token. The
-table gives the medians over the rounds and each variant's answer; ``results.json`` every figure; ``decode.png`` the decode speeds as a chart.
+table gives the medians over the rounds and each variant's answer; ``results.json`` every figure; ``decode.png`` the
+decode speeds as a chart.
 """
 
 from __future__ import annotations
