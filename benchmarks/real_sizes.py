@@ -91,7 +91,12 @@ def make_checkpoint(shape: str, folder: Path, tokenizer_from: Path) -> int:
         **SHAPES[shape],
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # made in bfloat16: a 3B model made in fp32 first peaks at 19 GB
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (tokenizer_from / name).exists():

@@ -24,8 +24,10 @@ and, for ExecuTorch, optimum-executorch's ``optimum-cli export executorch … --
 Then every folder is run in its runtime's own loop, in this one process, in alternating rounds (the machine is shared:
 round r of every variant runs before round r + 1 of any): ONNX folders by ``og.Model`` / ``og.Generator`` (greedy),
 ``.pte`` programs by ExecuTorch's ``TextLLMRunner`` (temperature 0) with the ``tokenizer.json`` beside them. The prompt
-is the checkpoint's chat template around ``QUESTION``; per run: time to first token (the prompt in, one token out) and
-decode tokens/s (the later tokens over the time from the first to the last). For ONNX folders also the teacher-forced
+is the checkpoint's chat template around ``STORY``, which every variant answers at length (ONNX Runtime GenAI is held
+to the full count; ``results.json`` records how many tokens each run timed); per run: time to first token (the prompt
+in, one token out) and decode tokens/s (the later tokens over the time from the first to the last). The answer column is
+each variant's reply to ``QUESTION``. For ONNX folders also the teacher-forced
 top-1: the prompt and transformers' greedy fp32 continuation fed at once, how often the argmax is the next token. The
 table gives the medians over the rounds and each variant's answer; ``results.json`` every figure; ``decode.png`` the
 decode speeds as a chart.
@@ -34,6 +36,7 @@ decode speeds as a chart.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -45,6 +48,9 @@ from pathlib import Path
 from typing import Any
 
 QUESTION = "What is the capital of France?"
+# timed on a prompt every variant answers at length: an answer that stops after 9 tokens is timed on its first
+# steps only, which run slower than the later ones (ONNX Runtime GenAI runs the full count: min_length)
+STORY = "Write a long story about a lighthouse keeper and a storm."
 HFEXPORT = {
     "onnx:fp32": ["--format", "onnx"],
     "onnx:int4": ["--format", "onnx", "--quantize", "int4"],
@@ -82,6 +88,17 @@ def timed_child(command: list[str], log: Path, env: dict[str, str] | None = None
     }
 
 
+def exported(command: list[str], out: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """:func:`timed_child`'s figures of the export ``command`` writing ``out``, or those recorded beside ``out`` by an
+    earlier run with the same ``--work`` folder (the export is not run again: delete the folder to redo it)."""
+    recorded = out.with_suffix(".json")
+    if out.exists() and recorded.exists():
+        return json.loads(recorded.read_text())
+    figures = timed_child(command, out.with_suffix(".log"), env)
+    recorded.write_text(json.dumps(figures))
+    return figures
+
+
 def builder_script(python: str) -> Path:
     """The builder's ``builder.py`` in ``python``'s onnxruntime-genai (0.18 runs it as a script: its imports are
     its folder's, so ``python -m onnxruntime_genai.models.builder`` fails)."""
@@ -106,7 +123,7 @@ def export_all(args: argparse.Namespace, work: Path, checkpoint: Path) -> list[d
                 "variant": variant,
                 "exporter": "hfexport",
                 "folder": str(out),
-                **timed_child(command, out.with_suffix(".log")),
+                **exported(command, out),
             }
         )
         if variant in BUILDER and args.builder_python:
@@ -119,7 +136,7 @@ def export_all(args: argparse.Namespace, work: Path, checkpoint: Path) -> list[d
                     "variant": variant,
                     "exporter": "builder",
                     "folder": str(out),
-                    **timed_child(command, out.with_suffix(".log")),
+                    **exported(command, out),
                 }
             )
         if variant in OPTIMUM and args.optimum_python:
@@ -136,7 +153,7 @@ def export_all(args: argparse.Namespace, work: Path, checkpoint: Path) -> list[d
                     # its .pte has no get_eos_ids: the runner takes the stop token from the tokenizer, which reads
                     # it from tokenizer_config.json when given the checkpoint folder (tokenizer.json alone: none)
                     "tokenizer": str(checkpoint),
-                    **timed_child(command, out.with_suffix(".log"), {"HF_HUB_OFFLINE": "1"}),
+                    **exported(command, out, {"HF_HUB_OFFLINE": "1"}),
                 }
             )
     return rows
@@ -164,14 +181,15 @@ class GenAiLoop:
         predicted = np.asarray(generator.get_output("logits"))[0, prompt_len - 1 : len(ids) - 1].argmax(-1)
         return float((predicted == np.array(ids[prompt_len:])).mean())
 
-    def __call__(self, new_tokens: int) -> tuple[float, float, str]:
+    def __call__(self, question: str, new_tokens: int) -> tuple[float, float, str, int]:
         og = self.og
         prompt = self.tokenizer.apply_chat_template(
-            json.dumps([{"role": "user", "content": QUESTION}]), add_generation_prompt=True
+            json.dumps([{"role": "user", "content": question}]), add_generation_prompt=True
         )
         ids = self.tokenizer.encode(prompt)
         params = og.GeneratorParams(self.model)
-        params.set_search_options(max_length=len(ids) + new_tokens, do_sample=False)
+        length = len(ids) + new_tokens
+        params.set_search_options(max_length=length, min_length=length if question == STORY else 0, do_sample=False)
         generator = og.Generator(self.model, params)
         started = time.perf_counter()
         generator.append_tokens(ids)
@@ -183,7 +201,7 @@ class GenAiLoop:
             count += 1
         last = time.perf_counter()
         answer = self.tokenizer.decode(generator.get_sequence(0)[len(ids) :])
-        return first - started, (count - 1) / (last - first) if count > 1 else 0.0, answer
+        return first - started, (count - 1) / (last - first) if count > 1 else 0.0, answer, count
 
 
 class RunnerLoop:
@@ -197,11 +215,9 @@ class RunnerLoop:
         self.config_class = GenerationConfig
         pte = next(Path(folder).glob("*.pte"))
         self.runner = TextLLMRunner(str(pte), tokenizer_path or str(Path(folder) / "tokenizer.json"))
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or folder)
-        messages = [{"role": "user", "content": QUESTION}]
-        self.prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or folder)
 
-    def __call__(self, new_tokens: int) -> tuple[float, float, str]:
+    def __call__(self, question: str, new_tokens: int) -> tuple[float, float, str, int]:
         times: list[float] = []
         pieces: list[str] = []
 
@@ -209,12 +225,14 @@ class RunnerLoop:
             times.append(time.perf_counter())
             pieces.append(piece)
 
+        messages = [{"role": "user", "content": question}]
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         self.runner.reset()
         started = time.perf_counter()
         config = self.config_class(temperature=0.0, echo=False, max_new_tokens=new_tokens)
-        self.runner.generate(self.prompt, config, token_callback=on_piece)
+        self.runner.generate(prompt, config, token_callback=on_piece)
         decode = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
-        return times[0] - started, decode, "".join(pieces)
+        return times[0] - started, decode, "".join(pieces), len(times)
 
 
 def eager_reply(checkpoint: Path, new_tokens: int) -> tuple[list[int], int]:
@@ -240,15 +258,15 @@ def decode_rounds(rows: list[dict[str, Any]], rounds: int, new_tokens: int, chec
     }
     for row in rows:
         row["runs"] = []
-    for index in range(rounds + 1):  # round 0 warms up
+    for row in rows:  # warms each up, and its answer
+        row["answer"] = loops[id(row)](QUESTION, new_tokens)[2]
+    for index in range(rounds):
         for row in rows:
-            first, decode, answer = loops[id(row)](new_tokens)
-            if index:
-                row["runs"].append(
-                    {"first_token_seconds": round(first, 4), "decode_tokens_per_second": round(decode, 2)}
-                )
-            row["answer"] = answer
-        print(f"round {index}/{rounds} done", file=sys.stderr, flush=True)
+            first, decode, _, tokens = loops[id(row)](STORY, new_tokens)
+            row["runs"].append(
+                {"first_token_seconds": round(first, 4), "decode_tokens_per_second": round(decode, 2), "tokens": tokens}
+            )
+        print(f"round {index + 1}/{rounds} done", file=sys.stderr, flush=True)
     reference, prompt_len = eager_reply(checkpoint, new_tokens)
     for row in rows:
         if isinstance(loops[id(row)], GenAiLoop):
@@ -299,6 +317,7 @@ def main() -> int:
     parser.add_argument("--builder-python", help="the Python of a venv with onnxruntime-genai's builder (torch 2.13.0)")
     parser.add_argument("--optimum-python", help="the Python of a venv with optimum-executorch (torch 2.13.0)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--work", help="keep the exports in this folder, and reuse those it holds")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--cache-len", type=int, default=256)
     parser.add_argument("--out", default="benchmarks/results/runtime-loops")
@@ -312,7 +331,9 @@ def main() -> int:
     checkpoint = checkpoint_folder(args.checkpoint) if "/" not in args.checkpoint else Path(args.checkpoint)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="runtime-loops-") as work:
+    keep = contextlib.nullcontext(args.work) if args.work else tempfile.TemporaryDirectory(prefix="runtime-loops-")
+    with keep as work:
+        Path(work).mkdir(parents=True, exist_ok=True)
         rows = export_all(args, Path(work), checkpoint)
         decode_rounds(rows, args.rounds, args.new_tokens, checkpoint)
     for row in rows:
