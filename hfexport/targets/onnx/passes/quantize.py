@@ -219,7 +219,7 @@ class OnnxInt4Weights(Pass):
         quantized = ir.node("MatMulNBits", inputs, attributes=attributes, domain=MS_DOMAIN, name=f"{node.name}_Q{bits}")
         quantized.metadata_props.update(node.metadata_props)
         graph.insert_before(node, quantized)
-        _take_over(graph, node.outputs[0], quantized.outputs[0])
+        _take_over(node.outputs[0], quantized.outputs[0])
         graph.remove(node, safe=True)
         graph.opset_imports.setdefault(MS_DOMAIN, 1)
         return quantized.name
@@ -233,7 +233,7 @@ def _initializer(graph: Any, name: str, array: np.ndarray) -> Any:
     return value
 
 
-def _take_over(graph: Any, old: Any, new: Any) -> None:
+def _take_over(old: Any, new: Any) -> None:
     """Every use of ``old`` (a graph output too) reads ``new``, which takes its name, type and shape."""
     name, new.shape, new.dtype = old.name, old.shape, old.dtype
     old.replace_all_uses_with(new, replace_graph_outputs=True)
