@@ -82,11 +82,11 @@ class OnnxInt4Weights(Pass):
     before (``onnx_packed_projections``), so q, k and v (gate and up) share a node and quantize their
     input once.
 
-    The defaults are ONNX Runtime GenAI's model builder's form and speed (it takes symmetric blocks),
-    which its runtime and users compare against. SmolLM2-135M-Instruct in ``og.Generator``
-    (``benchmarks/results/onnx-int4-fast/README.md``): 7.3 ms a step against the builder's 7.4,
-    teacher-forced top-1 against fp32 78.1% (the builder's folder 73.4%), "The capital of France is
-    Paris, France.". Three options trade speed for exactness:
+    The defaults are close to ONNX Runtime GenAI's model builder's form (it takes symmetric blocks),
+    which its runtime and users compare against. SmolLM2-135M-Instruct in ``og.Generator``, 64 tokens
+    (``benchmarks/results/runtime-loops/README.md``): 98.5 tok/s against the builder's 114.0 (the
+    form below: 0.67×), teacher-forced top-1 against fp32 78.1% (the builder's folder 73.4%), "The
+    capital of France is Paris, France.". Three options trade speed for exactness:
 
     - ``minimums=True``: a float minimum per block (llama.cpp's Q4_1 form,
       :mod:`hfexport.targets.onnx.passes.blocks`) instead of an integer zero point, which rounds the
@@ -99,8 +99,8 @@ class OnnxInt4Weights(Pass):
       logits) keep fp32 inputs (llama.cpp's Q4_K_M likewise gives the last layers more bits).
 
     All three (``minimums=True, float_attention=True, float_tail=1/8``, the default until
-    2026-12-06) gave SmolLM2 96.9% top-1 (fp32's own prefill against its decode: 96.9%) at 11.2 ms a
-    step (``benchmarks/results/onnx-int4-attention-inputs/README.md``).
+    2026-12-06) gave SmolLM2 96.9% top-1 (fp32's own prefill against its decode: 96.9%) at 1.5× the
+    step (``benchmarks/results/onnx-int4-fast/README.md``).
     ``int8_output=False`` puts an output projection that is not rescored in 4 bits too;
     ``rescore_top=0`` rescores none (a tied output projection stays at 8 bits)."""
 
