@@ -127,8 +127,8 @@ def measure(args: argparse.Namespace, shape: str, work: Path) -> list[dict[str, 
     parameters = make_checkpoint(shape, checkpoint, checkpoint_folder("smollm2-135m-instruct"))
     rows = []
     for variant in args.variants:
-        exports = [("hfexport", [sys.executable, "-m", "hfexport.cli", "export", str(checkpoint), *HFEXPORT[variant]])]
-        exports[0][1].extend(["--generation", "--max-cache-len", str(args.cache_len), "--out"])
+        ours = [sys.executable, "-m", "hfexport.cli", "export", str(checkpoint), *HFEXPORT[variant], "--generation"]
+        exports = [("hfexport", [*ours, "--max-cache-len", str(args.cache_len), "--out"])]
         if variant in BUILDER and args.builder_python:
             command = [args.builder_python, str(builder_script(args.builder_python)), "-i", str(checkpoint)]
             command += ["-p", BUILDER[variant], "-e", "cpu", "-c", str(work / "builder-cache"), "-o"]

@@ -8,6 +8,7 @@ from typing import Any
 
 from hfexport.pipeline.pass_manager import PassResult, register_pass
 from hfexport.targets.onnx.passes.domains import MS_DOMAIN
+from hfexport.targets.onnx.passes.graph import take_over
 
 
 @dataclass
@@ -367,10 +368,8 @@ def onnx_group_query_attention(program: Any) -> PassResult:
         output, keys, values = nodes.group_query_attention(found)
         graph.insert_before(found.last, nodes.added)
         nodes.added = []
-        for old, new in ((found.keys.written, keys), (found.values.written, values)):
-            name = old.name
-            old.replace_all_uses_with(new, replace_graph_outputs=True)
-            old.name, new.name = None, name
+        take_over(found.keys.written, keys)
+        take_over(found.values.written, values)
         found.output.replace_all_uses_with(output)
         fused += 1
     if fused:

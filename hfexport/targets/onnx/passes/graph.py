@@ -277,16 +277,21 @@ def onnx_packed_projections(program: Any) -> PassResult:
         graph.insert_before(group[0], [matmul, split])
         matmul.outputs[0].dtype = weights[0].dtype
         for node, output in zip(group, split.outputs, strict=True):
-            old = node.outputs[0]
-            output.shape, output.dtype = old.shape, old.dtype
-            name = old.name
-            old.replace_all_uses_with(output, replace_graph_outputs=True)
-            old.name, output.name = None, name
+            take_over(node.outputs[0], output)
         packed += len(group)
         packs += 1
     if packs:
         common.RemoveUnusedNodesPass()(program.model)
     return PassResult(program, modified=packs > 0, counts={"packed_matmuls": packed, "packs": packs})
+
+
+def take_over(old: Any, new: Any) -> None:
+    """Every use of ``old`` (an onnx_ir value; a graph output too) reads ``new``, which takes its
+    name, type and shape: a replaced node's output keeps the name the graph's outputs and the
+    runners know."""
+    name, new.shape, new.dtype = old.name, old.shape, old.dtype
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    old.name, new.name = None, name
 
 
 def _side_by_side(tensors: list[Any]) -> Any:

@@ -30,6 +30,7 @@ from hfexport.passes.top_logits import TOP
 from hfexport.pipeline.numerics import QUANTIZED_WEIGHTS
 from hfexport.pipeline.pass_manager import Pass, PassResult, register_pass
 from hfexport.targets.onnx.passes.domains import MS_DOMAIN
+from hfexport.targets.onnx.passes.graph import take_over
 from hfexport.versions import quiet_loggers
 
 ONNX_QUANTIZATION = {"int4": "onnx_int4_weights", "int8": "onnx_int8_dynamic"}
@@ -62,15 +63,9 @@ def _before(graph: Any) -> dict[str, int]:
 
 
 def _counts(before: dict[str, int], after: Any, op_types: tuple[str, ...]) -> dict[str, int]:
-    """``before`` and the quantized nodes and weight size of ``after`` (an onnx_ir graph or an ``onnx.GraphProto``)."""
-    if hasattr(after, "initializers"):
-        quantized, kib = sum(1 for node in after if node.op_type in op_types), _weight_kib(after)
-    else:
-        from onnx import numpy_helper
-
-        quantized = sum(1 for node in after.node if node.op_type in op_types)
-        kib = sum(numpy_helper.to_array(t).nbytes for t in after.initializer) / 2**10
-    return {QUANTIZED_WEIGHTS: quantized, **before, "weight_kib_after": round(kib)}
+    """``before`` and the quantized nodes and weight size of ``after`` (an onnx_ir graph)."""
+    quantized = sum(1 for node in after if node.op_type in op_types)
+    return {QUANTIZED_WEIGHTS: quantized, **before, "weight_kib_after": round(_weight_kib(after))}
 
 
 class OnnxInt4Weights(Pass):
@@ -219,7 +214,7 @@ class OnnxInt4Weights(Pass):
         quantized = ir.node("MatMulNBits", inputs, attributes=attributes, domain=MS_DOMAIN, name=f"{node.name}_Q{bits}")
         quantized.metadata_props.update(node.metadata_props)
         graph.insert_before(node, quantized)
-        _take_over(node.outputs[0], quantized.outputs[0])
+        take_over(node.outputs[0], quantized.outputs[0])
         graph.remove(node, safe=True)
         graph.opset_imports.setdefault(MS_DOMAIN, 1)
         return quantized.name
@@ -231,13 +226,6 @@ def _initializer(graph: Any, name: str, array: np.ndarray) -> Any:
     value = ir.val(name, const_value=ir.tensor(array))
     graph.register_initializer(value)
     return value
-
-
-def _take_over(old: Any, new: Any) -> None:
-    """Every use of ``old`` (a graph output too) reads ``new``, which takes its name, type and shape."""
-    name, new.shape, new.dtype = old.name, old.shape, old.dtype
-    old.replace_all_uses_with(new, replace_graph_outputs=True)
-    old.name, new.name = None, name
 
 
 def _last_in_graph_order(graph: Any, names: set[str], fraction: float) -> set[str]:
@@ -366,10 +354,11 @@ class OnnxInt8Dynamic(Pass):
                 # per-tensor weights: per_channel=True measured worse on SmolLM2 (logit cosine 0.75 vs 0.96)
                 quantize_dynamic(model, path, op_types_to_quantize=["MatMul"], weight_type=QuantType.QInt8)
             after = onnx.load(path)
-        counts = _counts(before, after.graph, ("MatMulInteger", "DynamicQuantizeMatMul"))
+        quantized = _program(after, program)
+        counts = _counts(before, quantized.model.graph, ("MatMulInteger", "DynamicQuantizeMatMul"))
         if untied:
             counts["untied_weights"] = len(untied)
-        return PassResult(_program(after, program), modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
+        return PassResult(quantized, modified=counts[QUANTIZED_WEIGHTS] > 0, counts=counts)
 
 
 def rescore_onnx(graph: Any, head: Any, table: Any, top: int = TOP) -> None:
