@@ -5,6 +5,7 @@ import json
 import shlex
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -368,44 +369,92 @@ def test_type_promotion_reads_recorded_values_and_gives_torch_onnx_own_graph(mon
         torch.testing.assert_close(torch.as_tensor(got), want)
 
 
-def test_group_query_attention_decode_runs_without_io_binding_step_after_step(tmp_path):
-    # a plain session.run gets a new cache from GroupQueryAttention (zeros past the written
-    # slots); fed back step after step it gives eager's logits
+def _decode_step_by_step(path, ids: torch.Tensor, pads: list[int]) -> torch.Tensor:
+    """Logits of a plain ``session.run`` of a spec-form decode graph (cache of 16 slots) over
+    ``ids`` [batch, 7], each row left-padded by ``pads``: the prompt, then one token a step, the
+    returned cache fed back (GroupQueryAttention returns a new one without IO binding: zeros past
+    the written slots)."""
+    session = ort.InferenceSession(path)
+    batch = ids.shape[0]
+    caches = {
+        i.name: np.zeros([batch, *i.shape[1:]], np.float32) if len(i.shape) == 4 else np.array(0, np.int64)
+        for i in session.get_inputs()
+        if i.name.startswith("input.cache.")
+    }
+    valid = torch.arange(16)[None, :] >= torch.tensor(pads)[:, None]  # [batch, slots]
+    got = []
+    for start, end in ((0, 5), (5, 6), (6, 7)):
+        slots = torch.arange(start, end)
+        mask = (torch.arange(16)[None, :] <= slots[:, None])[None] & valid[:, None, :]
+        feeds = {
+            "input_ids": ids[:, start:end].numpy(),
+            "position_ids": (slots[None, :] - torch.tensor(pads)[:, None]).clamp(min=0).numpy(),
+            "attention_mask": mask[:, None].numpy(),
+            **caches,
+        }
+        outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
+        caches = {name: outputs["output." + name.removeprefix("input.")] for name in caches}
+        got.append(torch.from_numpy(outputs["logits"]))
+    return torch.cat(got, 1)
+
+
+def _tiny_llama_decode(passes=None):
     from transformers import GenerationConfig
 
     from hfexport import decompose_for_generation
-    from hfexport.targets.onnx.lowering import save_onnx
 
     model = build("tiny-llama")
     static = GenerationConfig(cache_implementation="static", max_cache_len=16)
     module, kwargs = decompose_for_generation(model, sample_inputs(model, 1, 4), static, multi_token_decode=True)[
         "decode"
     ]
-    program = OnnxExporter().export(module, kwargs, config=OnnxConfig(dynamic=True))
-    assert collections.Counter(n.op_type for n in program.model.graph)["GroupQueryAttention"] == 2
-    save_onnx(program, tmp_path / "decode.onnx")
-    session = ort.InferenceSession(tmp_path / "decode.onnx")
+    return model, OnnxExporter().run(module, kwargs, OnnxConfig(dynamic=True, passes=passes))
+
+
+def test_group_query_attention_decode_runs_without_io_binding_step_after_step(tmp_path):
+    from hfexport.targets.onnx.lowering import save_onnx
+
+    model, result = _tiny_llama_decode()
+    assert collections.Counter(n.op_type for n in result.program.model.graph)["GroupQueryAttention"] == 2
+    save_onnx(result.program, tmp_path / "decode.onnx")
     ids = sample_inputs(model, 1, 7, seed=3)["input_ids"]
-    caches = {
-        i.name: np.zeros([1, *i.shape[1:]], np.float32) if len(i.shape) == 4 else np.array(0, np.int64)
-        for i in session.get_inputs()
-        if i.name.startswith("input.cache.")
-    }
-    slots = torch.arange(16)
-    got = []
-    for start, end in ((0, 5), (5, 6), (6, 7)):  # the prompt, then one token a step
-        positions = torch.arange(start, end)
-        feeds = {
-            "input_ids": ids[:, start:end].numpy(),
-            "position_ids": positions[None].numpy(),
-            "attention_mask": (slots[None, :] <= positions[:, None])[None, None].numpy(),
-            **caches,
-        }
-        outputs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
-        caches = {name: outputs["output." + name.removeprefix("input.")] for name in caches}
-        got.append(torch.from_numpy(outputs["logits"]))
     expected = eager(model, {"input_ids": ids}).logits
-    torch.testing.assert_close(torch.cat(got, 1), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(_decode_step_by_step(tmp_path / "decode.onnx", ids, [0]), expected, atol=1e-4, rtol=0)
+
+
+def test_group_query_attention_reads_the_packed_projection_and_rotates_it_itself(tmp_path):
+    # ONNX Runtime GenAI's builder's layout: GroupQueryAttention(qkv, do_rotary=1, cos / sin tables of
+    # every slot, position_ids), no Split and RotaryEmbedding nodes before it; the same logits, a
+    # left-padded row's positions included
+    from hfexport.targets.onnx.lowering import save_onnx
+
+    model, packed = _tiny_llama_decode()
+    (record,) = [p for s in packed.records for p in s.children if p.name == "onnx_packed_attention_inputs"]
+    # per layer: the qkv Split, two RotaryEmbedding; once, 14 nodes: the angles, the per-call cos /
+    # sin rows and their index
+    assert record.counts == {"packed_attention_inputs": 2, "nodes_removed": 2 * 3 + 14}
+    graph = packed.program.model.graph
+    ops = collections.Counter(node.op_type for node in graph)
+    assert ops["RotaryEmbedding"] == ops["Cos"] == ops["Sin"] == 0 and ops["Split"] == 2  # gate / up
+    for node in (n for n in graph if n.op_type == "GroupQueryAttention"):
+        assert node.inputs[1] is None and node.inputs[2] is None and node.attributes["do_rotary"].value == 1
+        assert node.inputs[9].name == "position_ids" and node.inputs[7].const_value.shape == (16, 8)
+    save_onnx(packed.program, tmp_path / "packed.onnx")
+    saved = onnx.load(tmp_path / "packed.onnx")
+    norms = [n for n in saved.graph.node if n.op_type == "SkipSimplifiedLayerNormalization"]
+    assert len(norms) == 4 and all(list(n.output)[1:3] == ["", ""] for n in norms)  # no statistics written
+
+    passes = [p for p in get_target("onnx").default_passes if p != "onnx_packed_attention_inputs"]
+    _, unpacked = _tiny_llama_decode(passes)
+    assert collections.Counter(node.op_type for node in unpacked.program.model.graph)["RotaryEmbedding"] == 4
+    save_onnx(unpacked.program, tmp_path / "unpacked.onnx")
+    ids = sample_inputs(model, 2, 7, seed=3)["input_ids"]
+    pads = [0, 3]
+    logits = {name: _decode_step_by_step(tmp_path / f"{name}.onnx", ids, pads) for name in ("packed", "unpacked")}
+    for row, pad in enumerate(pads):
+        torch.testing.assert_close(logits["packed"][row, pad:], logits["unpacked"][row, pad:], atol=1e-5, rtol=0)
+        expected = eager(model, {"input_ids": ids[row : row + 1, pad:]}).logits[0]
+        torch.testing.assert_close(logits["packed"][row, pad:], expected, atol=1e-4, rtol=0)
 
 
 def test_a_scalar_minus_a_mask_exports_when_torch_onnx_decomposes_the_program(tmp_path):

@@ -24,9 +24,16 @@ DEFAULT_PASSES: tuple[str, ...] = (
     "onnx_ort_fusions",
     "onnx_group_query_attention",
     "onnx_packed_projections",
+    "onnx_packed_attention_inputs",
 )
 # what OnnxConfig(optimize=False) leaves out of the default list
-OPTIMIZATIONS = ("onnx_optimizer", "onnx_ort_fusions", "onnx_group_query_attention", "onnx_packed_projections")
+OPTIMIZATIONS = (
+    "onnx_optimizer",
+    "onnx_ort_fusions",
+    "onnx_group_query_attention",
+    "onnx_packed_projections",
+    "onnx_packed_attention_inputs",
+)
 
 
 def pass_list(config: Any) -> list[Any]:

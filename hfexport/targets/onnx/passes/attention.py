@@ -377,3 +377,205 @@ def onnx_group_query_attention(program: Any) -> PassResult:
         common.RemoveUnusedNodesPass()(model)
     counts = {"group_query_attention": fused, "nodes_removed": before - sum(1 for _ in graph)}
     return PassResult(program, modified=fused > 0, counts=counts)
+
+
+# the ops a rotary table may be computed with from the positions, as numpy (torch for cos and sin:
+# eager's own functions, so the tables hold eager's values)
+def _unsqueeze(x: Any, axes: Any) -> Any:
+    import numpy as np
+
+    rank = x.ndim + len(axes)
+    for axis in sorted(int(a) % rank for a in axes):
+        x = np.expand_dims(x, axis)
+    return x
+
+
+def _reshape(x: Any, shape: Any) -> Any:
+    shape = [x.shape[i] if s == 0 else int(s) for i, s in enumerate(shape.tolist())]
+    return x.reshape(shape)
+
+
+def _torch_elementwise(name: str) -> Any:
+    def apply(x: Any) -> Any:
+        import torch
+
+        return getattr(torch.from_numpy(x.copy()), name)().numpy()
+
+    return apply
+
+
+def _table_ops() -> dict[str, Any]:
+    import numpy as np
+    import onnx_ir as ir
+
+    return {
+        "Unsqueeze": lambda node, x, axes: _unsqueeze(x, axes.reshape(-1)),
+        "Cast": lambda node, x: x.astype(ir.DataType(node.attributes.get_int("to")).numpy()),
+        "Mul": lambda node, a, b: a * b,
+        "MatMul": lambda node, a, b: np.matmul(a, b),
+        "Reshape": lambda node, x, shape: _reshape(x, shape),
+        "Transpose": lambda node, x: np.transpose(x, node.attributes.get_ints("perm", None)),
+        "Concat": lambda node, *xs: np.concatenate(xs, axis=node.attributes.get_int("axis")),
+        "Cos": lambda node, x: _torch_elementwise("cos")(x),
+        "Sin": lambda node, x: _torch_elementwise("sin")(x),
+    }
+
+
+def _constant_array(value: Any) -> Any:
+    """``value``'s array when it is an initializer or a ``Constant`` node's output, else None."""
+    import numpy as np
+
+    found = _constant(value)
+    if found is not None:
+        return found
+    node = value.producer()
+    if node is None or node.op_type != "Constant":
+        return None
+    for name, attribute in node.attributes.items():
+        if name.startswith("value_"):
+            return np.array(attribute.value)
+    return None
+
+
+def _rotary_table(rows: Any, graph_inputs: set[Any], slots: int) -> tuple[Any, Any] | None:
+    """``(positions, table)``: ``rows`` (a ``RotaryEmbedding``'s cos or sin rows for this call's
+    tokens, computed from one integer graph input ``positions`` [batch, tokens]) computed for the
+    positions ``0 … slots - 1``, ``[slots, rotary_dim / 2]``; None when ``rows`` is computed from
+    anything else or by an op the evaluation does not know."""
+    import numpy as np
+
+    ops = _table_ops()
+    values: dict[Any, Any] = {}
+    leaves: list[Any] = []
+
+    def evaluate(value: Any) -> Any:
+        if value in values:
+            return values[value]
+        constant = _constant_array(value)
+        node = value.producer()
+        if constant is not None:
+            result = constant
+        elif value in graph_inputs:
+            if leaves or value.dtype is None or not value.dtype.is_integer() or value.shape is None:
+                return None
+            if value.shape.rank() != 2:
+                return None
+            leaves.append(value)
+            result = np.arange(slots, dtype=value.dtype.numpy())[None, :]
+        elif node is None or node.op_type not in ops or node.domain != "" or len(node.outputs) != 1:
+            return None
+        else:
+            inputs = [evaluate(x) for x in node.inputs]
+            if any(x is None for x in inputs):
+                return None
+            result = ops[node.op_type](node, *inputs)
+        values[value] = result
+        return result
+
+    table = evaluate(rows)
+    if table is None or not leaves or table.ndim != 2 or table.shape[0] != slots:
+        return None
+    return leaves[0], np.ascontiguousarray(table)
+
+
+@register_pass(
+    name="onnx_packed_attention_inputs",
+    stage="onnx_passes",
+    runs_after=["onnx_packed_projections"],
+    remove_when=(
+        "For an ONNX Runtime older than 1.22 (GroupQueryAttention's position_ids input); without it each "
+        "layer keeps a Split and its two RotaryEmbedding nodes before the attention."
+    ),
+)
+def onnx_packed_attention_inputs(program: Any) -> PassResult:
+    """Each ``GroupQueryAttention`` whose query, key and value are the three parts of one packed
+    projection (``onnx_packed_projections``'s ``Split``), rotated by ``RotaryEmbedding`` or not,
+    reads the packed projection itself and rotates the query and key inside (``do_rotary``), as
+    ONNX Runtime GenAI's model builder lays a layer out: three nodes fewer per layer.
+
+    The op reads its cos / sin from tables indexed by position (at least as many rows as the
+    cache has slots, which it checks), so the tables are computed once, at export time, for every
+    slot's position by the graph's own angle arithmetic (cos and sin by torch, as eager computes
+    them), and the op takes the graph's ``position_ids`` to index them: a left-padded row's
+    positions stay its own. A rotation whose angles are computed from anything but one integer
+    [batch, tokens] graph input (a dynamic rope's scaling by the longest position), a head size
+    not a multiple of 16 or per-head norms between the split and the rotation (Qwen3's) leave the
+    layer as it is. Counts: ``packed_attention_inputs``, ``nodes_removed``."""
+    import onnx_ir as ir
+    import onnx_ir.passes.common as common
+
+    model = program.model
+    graph = model.graph
+    graph_inputs = set(graph.inputs)
+    before = sum(1 for _ in graph)
+    tables: dict[tuple[Any, Any], Any] = {}
+    packed = 0
+    for attention in [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN]:
+        inputs = list(attention.inputs) + [None] * (17 - len(attention.inputs))
+        query, key, value = inputs[:3]
+        if key is None or value is None or any(x is not None for x in inputs[7:10]):
+            continue
+        q_rotation, k_rotation = _producer(query, "RotaryEmbedding"), _producer(key, "RotaryEmbedding")
+        if (q_rotation is None) != (k_rotation is None):
+            continue
+        q_part, k_part = (query, key) if q_rotation is None else (q_rotation.inputs[0], k_rotation.inputs[0])
+        split = _producer(q_part, "Split")
+        if split is None or list(split.outputs) != [q_part, k_part, value] or split.inputs[0].shape is None:
+            continue
+        packed_qkv = split.inputs[0]
+        if packed_qkv.shape.rank() != 3 or split.attributes.get_int("axis", 0) not in (-1, 2):
+            continue
+        rotary: dict[str, Any] = {}
+        if q_rotation is not None:
+            same = all(a is b for a, b in zip(q_rotation.inputs[1:], k_rotation.inputs[1:], strict=True))
+            interleaved = {r.attributes.get_int("interleaved", 0) for r in (q_rotation, k_rotation)}
+            total, cache = _constant(inputs[6]), inputs[3].shape if inputs[3] is not None else None
+            cache_len, head_size = (cache[2], cache[3]) if cache is not None and cache.rank() == 4 else (None, None)
+            if not same or len(interleaved) != 1 or total is None:
+                continue
+            if not isinstance(cache_len, int) or not isinstance(head_size, int) or head_size % 16:
+                continue
+            slots = max(cache_len, int(total.reshape(-1)[0]))
+            made = []
+            for rows in q_rotation.inputs[2:4]:
+                if (rows, slots) not in tables:
+                    found = _rotary_table(rows, graph_inputs, slots)
+                    if found is not None and found[1].shape[1] % 8 == 0 and 2 * found[1].shape[1] <= head_size:
+                        kind = "cos" if rows is q_rotation.inputs[2] else "sin"
+                        table = ir.val(f"hfexport_rotary_{kind}_{len(tables)}", const_value=ir.tensor(found[1]))
+                        graph.register_initializer(table)
+                        found = (found[0], table)
+                    else:
+                        found = None
+                    tables[rows, slots] = found
+                made.append(tables[rows, slots])
+            if None in made or made[0][0] is not made[1][0]:
+                continue
+            positions = made[0][0]
+            if positions.shape[0] != packed_qkv.shape[0]:  # one row of positions for every batch entry
+                batch = ir.node("Shape", [packed_qkv], attributes={"start": 0, "end": 1})
+                tokens = ir.node("Shape", [positions], attributes={"start": 1, "end": 2})
+                both = ir.node("Concat", [batch.outputs[0], tokens.outputs[0]], attributes={"axis": 0})
+                expand = ir.node("Expand", [positions, both.outputs[0]])
+                graph.insert_before(attention, [batch, tokens, both, expand])
+                positions = expand.outputs[0]
+            rotary = {"do_rotary": 1, "rotary_interleaved": interleaved.pop()}
+            inputs[7:10] = [made[0][1], made[1][1], positions]
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        attributes = {name: attribute.value for name, attribute in attention.attributes.items()}
+        fused = ir.node(
+            "GroupQueryAttention",
+            [packed_qkv, None, None, *inputs[3:]],
+            attributes={**attributes, **rotary},
+            domain=MS_DOMAIN,
+            num_outputs=len(attention.outputs),
+        )
+        graph.insert_before(attention, [fused])
+        for old, new in zip(attention.outputs, fused.outputs, strict=True):
+            take_over(old, new)
+        packed += 1
+    if packed:
+        common.RemoveUnusedNodesPass()(model)
+    counts = {"packed_attention_inputs": packed, "nodes_removed": before - sum(1 for _ in graph)}
+    return PassResult(program, modified=packed > 0, counts=counts)
