@@ -227,8 +227,9 @@ class OnnxConfig(DynamoConfig):
         opset_version: the ONNX opset; ``None`` is the newest the installed onnxscript supports.
         optimize: run the onnxscript optimizer and ONNX Runtime's fusions of RMS norms, rotary
             embeddings and static-cache attention, and the packing of projections that read one
-            input (the ``onnx_optimizer``, ``onnx_ort_fusions``, ``onnx_group_query_attention`` and
-            ``onnx_packed_projections`` passes) when ``passes`` is the default list; with
+            input (the ``onnx_optimizer``, ``onnx_ort_fusions``, ``onnx_group_query_attention``,
+            ``onnx_packed_projections`` and ``onnx_packed_attention_inputs`` passes) when
+            ``passes`` is the default list; with
             an explicit ``passes`` list, list them or not.
         quantize: ``None`` (fp32), ``"int4"`` (4-bit weights in blocks of ``quantize_group_size``
             with a scale and a zero point each, ONNX Runtime ``MatMulNBits``, inputs quantized
