@@ -184,7 +184,8 @@ def save_export(
     generation: dict[str, Any] | None = None,
     model_folder: str | Path | None = None,
 ) -> Manifest:
-    """Write an export folder: each component's artifact (``<component><suffix>``) and the manifest
+    """Write an export folder: each component's artifact (``<component><suffix>``; ``model<suffix>``
+    for a decode graph in a runtime's interface) and the manifest
     ``hfexport.json``. ``results`` is ``{component: PipelineResult}``, all of one target. With
     ``model_folder`` (the checkpoint the model was loaded from), its config, generation config and
     tokenizer / processor files are copied along, so the export folder needs nothing else.
@@ -205,10 +206,11 @@ def save_export(
     try:
         components = {}
         for name, result in results.items():
-            file = f"{name}{target.suffix}"
-            target.save(result.program, staging / file)
             spec = target.component(result.program, result.captured)
-            spec.file = file
+            # a decode graph in a runtime's own interface has the runtime's file name (its exporters'
+            # model.onnx, model.pte): the one program of a folder the runtime runs as it is
+            spec.file = f"{'model' if spec.interface and name == 'decode' else name}{target.suffix}"
+            target.save(result.program, staging / spec.file)
             components[name] = spec
         model = next(iter(results.values())).model_name
         manifest = Manifest(target.name, components, model=model, generation=generation, versions=_versions())

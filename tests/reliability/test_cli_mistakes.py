@@ -129,7 +129,7 @@ def test_an_onnx_graph_this_onnx_runtime_cannot_load_names_the_version_it_was_ex
     out = tmp_path / "onnx"
     argv = ["export", str(saved_llama), "--format", "onnx", "--generation", "--components", "decode", "--out", str(out)]
     assert main([*argv, "--max-cache-len", "16"]) == 0
-    path = out / "decode.onnx"
+    path = out / "model.onnx"
     path.write_bytes(path.read_bytes()[:2048])
     monkeypatch.setattr(onnxruntime, "__version__", "1.20.0")
     exported_with = json.loads((out / "hfexport.json").read_text())["versions"]["onnxruntime"]
@@ -148,7 +148,7 @@ def test_debug_shows_the_traceback(tmp_path):
     assert result.returncode != 0 and "Traceback" in result.stderr and "no hfexport.json" in result.stderr
 
 
-@pytest.mark.parametrize(("fmt", "artifact"), [("onnx", "decode.onnx"), ("executorch", "decode.pte")])
+@pytest.mark.parametrize(("fmt", "artifact"), [("onnx", "model.onnx"), ("executorch", "model.pte")])
 def test_a_truncated_artifact_given_to_generate_is_one_line(tmp_path, capsys, saved_llama, fmt, artifact):
     out = tmp_path / fmt
     argv = ["export", str(saved_llama), "--format", fmt, "--generation", "--components", "decode", "--out", str(out)]

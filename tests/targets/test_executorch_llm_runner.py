@@ -113,7 +113,7 @@ def test_smollm2_runs_in_executorch_s_llm_runner(checkpoint, tmp_path, quantize)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    reply = text_llm_runner(out / "decode.pte", out / "tokenizer.json", text, 32)
+    reply = text_llm_runner(out / "model.pte", out / "tokenizer.json", text, 32)
     if quantize:
         assert "Paris" in reply, reply
         return

@@ -112,7 +112,7 @@ def test_sliding_windows_and_additive_masks_from_python_run_in_onnxruntime_genai
 def test_the_graph_takes_only_what_onnxruntime_genai_feeds_and_its_config_says_so(tmp_path):
     out = tmp_path / "out"
     assert main(["export", "tiny-llama", "--format", "onnx", "--generation", "--out", str(out)]) == 0
-    graph = onnx.load(out / "decode.onnx", load_external_data=False).graph
+    graph = onnx.load(out / "model.onnx", load_external_data=False).graph
     past = [f"past_key_values.{layer}.{kind}" for layer in (0, 1) for kind in ("key", "value")]
     assert [i.name for i in graph.input] == ["input_ids", "attention_mask", *past, "position_ids"]
     assert [o.name for o in graph.output] == ["logits", *(name.replace("past_key_values", "present") for name in past)]
@@ -120,7 +120,7 @@ def test_the_graph_takes_only_what_onnxruntime_genai_feeds_and_its_config_says_s
     assert mask.elem_type == onnx.TensorProto.INT64 and len(mask.shape.dim) == 2
     config = json.loads((out / "genai_config.json").read_text())
     decoder = config["model"]["decoder"]
-    assert config["model"]["type"] == "decoder" and decoder["filename"] == "decode.onnx"
+    assert config["model"]["type"] == "decoder" and decoder["filename"] == "model.onnx"
     assert config["model"]["context_length"] == config["search"]["max_length"] == 256
     assert config["search"]["past_present_share_buffer"] is True
     assert (config["model"]["bos_token_id"], config["model"]["eos_token_id"]) == (1, [2])
@@ -133,6 +133,7 @@ def test_spec_io_keeps_the_spec_interface_for_hfexport_generate(tmp_path, capsys
     out = tmp_path / "out"
     assert main(["export", "tiny-llama", "--format", "onnx", "--generation", "--spec-io", "--out", str(out)]) == 0
     names = [i.name for i in onnx.load(out / "decode.onnx", load_external_data=False).graph.input]
+    assert not (out / "model.onnx").exists()  # the runtime's name is for its own interface
     assert "input.cache.layers.0.cumulative_length" in names and "attention_mask" in names
     assert not (out / "genai_config.json").exists()
     capsys.readouterr()
