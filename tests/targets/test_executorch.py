@@ -475,6 +475,7 @@ EDGE_PASSES = [
     "drop_same_shape_expands",
     "infer_the_dynamic_view_axis",
     "state_in_attention_layout",
+    "custom_sdpa_reads_causally",
     "drop_same_shape_views",
     "cancel_head_transposes",
     "drop_contiguous_clones",
@@ -592,3 +593,22 @@ def test_a_failing_edge_pass_replays_with_the_command_its_reproducer_prints(tmp_
     assert main(["replay", str(folder / "input.edge.pt2"), "--passes", "drop_same_shape_views", "--out", str(out)]) == 0
     assert "drop_same_shape_views: modified=True" in capsys.readouterr().err
     assert get_target("executorch").load_program(out).exported_program().graph_signature.user_inputs
+
+
+def test_the_llm_runner_program_s_attention_reads_the_cache_in_place(tmp_path):
+    # the runner's masks are causal from input_pos[0]: custom_sdpa takes the whole state cache, that
+    # slot and is_causal (it views the filled keys itself) instead of a copy of the filled keys
+    from transformers import GenerationConfig
+
+    from hfexport.exporters import run_for_generation
+
+    model = build("tiny-llama")
+    cache = GenerationConfig(cache_implementation="static", max_cache_len=32)
+    config = ExecutorchConfig(dynamic=True, llm_runner=True, verify=True)  # each stage checked against eager
+    result = run_for_generation(model, sample_inputs(model, 1, 6), [config], cache, multi_token_decode=True)
+    result = result["decode"][config.export_format]
+    assert result.record("edge_passes/custom_sdpa_reads_causally").counts == {"rewritten": 2}
+    graph = result.program.exported_program().graph
+    attention = [n for n in graph.nodes if "custom_sdpa" in str(n.target)]
+    assert len(attention) == 2 and all(n.args[4] is None and n.args[6] is True for n in attention)
+    assert not [n for n in graph.nodes if "slice_copy" in str(n.target) and n.meta["val"].dim() == 4]

@@ -35,6 +35,7 @@ def text_llm_runner(pte, tokenizer, prompt: str, new_tokens: int) -> str:
         [sys.executable, "-c", RUN_TEXT_LLM_RUNNER, str(pte), str(tokenizer), prompt, str(new_tokens)],
         capture_output=True,
         text=True,
+        errors="replace",  # the runner prints each piece as it comes: a character split between two tokens
         timeout=600,
     )
     found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 INTERFACE = "executorch-llm-runner"
 POSITIONS = "cache_position"  # the method's second input: the new tokens' cache slots (the runner's input_pos)
+# meta of a derived mask that is causal from the first new token's slot (no window, no chunk): that slot's node
+CAUSAL_FROM = "hfexport.causal_from"
 _MASK = "attention_mask"
 
 
@@ -142,6 +144,8 @@ def llm_runner_io(edge: Any, run: PipelineRun) -> Any:
             else:
                 window, chunk = rules.get(path, (None, None))
                 derived = _mask(op, cache_position, cache_len, window, chunk, value)
+                if window is None and chunk is None:
+                    derived.meta[CAUSAL_FROM] = start
             node.replace_all_uses_with(derived)
     removed = {*counters, *masks.values(), *([positions_node] if positions_node is not None else [])}
     removed_names = {node.name for node in removed}

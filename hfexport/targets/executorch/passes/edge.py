@@ -349,6 +349,82 @@ def infer_the_dynamic_view_axis(program: torch.export.ExportedProgram) -> int:
 # which state_in_attention_layout needs), then the state's layout (its write then takes the
 # keys untransposed, which lets cancel_head_transposes take the key's rotary chain), then the
 # transposes, whose removal leaves the contiguous clones to drop.
+def _causal_start(mask: torch.fx.Node) -> torch.fx.Node | None:
+    """The first new token's slot when every boolean 4-D mask ``mask`` is computed from is the
+    LLM-runner interface's causal one (tagged by ``llm_runner_io``), all from that one slot; else None."""
+    from hfexport.targets.executorch.llm_runner import CAUSAL_FROM
+
+    starts, seen, todo = set(), set(), [mask]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        value = node.meta.get("val")
+        if CAUSAL_FROM in node.meta:
+            starts.add(node.meta[CAUSAL_FROM])
+            continue
+        if node.op == "placeholder" or (
+            isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 4
+        ):
+            return None  # a mask of another kind (or an input): its keys are not the causal ones
+        todo.extend(node.all_input_nodes)
+    return starts.pop() if len(starts) == 1 else None
+
+
+def custom_sdpa_reads_causally(program: torch.export.ExportedProgram) -> int:
+    """Give each ``llama::custom_sdpa`` whose mask is the LLM-runner interface's causal one (no
+    sliding window, no chunk: every slot up to the query's own) the whole state cache, the first
+    new token's slot as ``start_pos`` and ``is_causal`` instead of the mask and the cache's first
+    keys, and return how many. The kernel then views the filled keys in place (``start_pos`` plus
+    the new tokens) and masks the later ones itself, where the keys cut to the mask's extent were a
+    copy of every layer's filled keys and values at every step (SmolLM2-135M at 150 tokens: 7 MB a
+    step). Masks with a window or chunk, and hfexport's own interface (its masks carry padding),
+    keep the copy and the mask."""
+    from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+
+    graph = program.graph_module.graph
+    sdpa = [
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and "llama::custom_sdpa" in str(getattr(n.target, "_name", ""))
+    ]
+    starts: dict[torch.fx.Node, torch.fx.Node] = {}
+    changed = 0
+    for node in sdpa:
+        query, key, value, _, mask = node.args[:5]
+        if mask is None or (len(node.args) > 6 and node.args[6]):
+            continue
+        start = _causal_start(mask)
+        reads = [key, value]
+        if start is None or not all(
+            edge_op(r, "aten::slice_copy.Tensor") and tuple(r.args[1:3]) == (1, 0) for r in reads
+        ):
+            continue
+        caches = [r.args[0] for r in reads]
+        if start not in starts:
+            fake_mode = start.meta["val"].fake_mode
+            slots = caches[0].meta["val"].shape[1]
+            with graph.inserting_after(start):
+                scalar = graph.call_function(torch.ops.aten._local_scalar_dense.default, (start,))
+            # symbols the earlier stages' fake values made and left pending are not this node's
+            fake_mode.shape_env.pending_fresh_unbacked_symbols.clear()
+            with fake_mode:
+                scalar.meta["val"] = torch.ops.aten._local_scalar_dense.default(start.meta["val"])
+            scalar.meta["unbacked_bindings"] = compute_unbacked_bindings(fake_mode.shape_env, scalar.meta["val"])
+            with graph.inserting_after(scalar):
+                graph.call_function(
+                    torch.ops.aten.sym_constrain_range_for_size.default, (scalar,), {"min": 0, "max": slots - 1}
+                )
+            starts[start] = scalar
+        node.args = (query, caches[0], caches[1], starts[start], None, node.args[5], True, *node.args[7:])
+        changed += 1
+    if changed:
+        graph.eliminate_dead_code()
+        program.graph_module.recompile()
+    return changed
+
+
 DEFAULT_EDGE_PASSES: tuple[str, ...] = (
     edge_pass(
         drop_same_layout_copies,
@@ -371,6 +447,13 @@ DEFAULT_EDGE_PASSES: tuple[str, ...] = (
         state_in_attention_layout,
         remove_when=(
             "Without it, the fused attention kernel's keys are transposed out of the state cache at every step."
+        ),
+    ).name,
+    edge_pass(
+        custom_sdpa_reads_causally,
+        remove_when=(
+            "For an ExecuTorch whose custom_sdpa reads only the keys its mask marks visible: without it, every layer "
+            "copies its filled keys and values at every step."
         ),
     ).name,
     edge_pass(
