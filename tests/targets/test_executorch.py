@@ -476,6 +476,7 @@ EDGE_PASSES = [
     "infer_the_dynamic_view_axis",
     "state_in_attention_layout",
     "custom_sdpa_reads_causally",
+    "merge_repeated_index_arithmetic",
     "drop_same_shape_views",
     "cancel_head_transposes",
     "drop_contiguous_clones",
@@ -608,6 +609,8 @@ def test_the_llm_runner_program_s_attention_reads_the_cache_in_place(tmp_path):
     result = run_for_generation(model, sample_inputs(model, 1, 6), [config], cache, multi_token_decode=True)
     result = result["decode"][config.export_format]
     assert result.record("edge_passes/custom_sdpa_reads_causally").counts == {"rewritten": 2}
+    # the second layer's cache-write slots (arange, add) are the first's
+    assert result.record("edge_passes/merge_repeated_index_arithmetic").counts == {"rewritten": 2}
     graph = result.program.exported_program().graph
     attention = [n for n in graph.nodes if "custom_sdpa" in str(n.target)]
     assert len(attention) == 2 and all(n.args[4] is None and n.args[6] is True for n in attention)

@@ -425,6 +425,41 @@ def custom_sdpa_reads_causally(program: torch.export.ExportedProgram) -> int:
     return changed
 
 
+# index arithmetic the layers repeat (each layer's cache-write slots: arange(S) + its counter, which
+# llm_runner_io made one and the same value); pure, so two with the same arguments are one value
+_REPEATABLE = (
+    "aten::arange.start_step",
+    "aten::add.Tensor",
+    "aten::sub.Tensor",
+    "aten::unsqueeze_copy.default",
+    "aten::select_copy.int",
+)
+
+
+def merge_repeated_index_arithmetic(program: torch.export.ExportedProgram) -> int:
+    """Replace each index-arithmetic node (``arange``, ``add``, ``sub``, ``unsqueeze_copy``,
+    ``select_copy``) that repeats an earlier one's operation on the same arguments by that one, and
+    return how many went. In the LLM runner's program every layer's token counter is
+    ``input_pos[0]``, so each layer's cache-write slots (``arange(S) + counter``) are one value
+    computed once per layer: two portable operators a layer, a step, between delegated graphs."""
+    graph = program.graph_module.graph
+    seen: dict[tuple[Any, ...], torch.fx.Node] = {}
+    merged = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or getattr(node.target, "_name", None) not in _REPEATABLE:
+            continue
+        key = (node.target, repr(node.args), repr(sorted(node.kwargs.items())))  # nodes repr as their names
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+            merged += 1
+        else:
+            seen[key] = node
+    if merged:
+        program.graph_module.recompile()
+    return merged
+
+
 DEFAULT_EDGE_PASSES: tuple[str, ...] = (
     edge_pass(
         drop_same_layout_copies,
@@ -455,6 +490,10 @@ DEFAULT_EDGE_PASSES: tuple[str, ...] = (
             "For an ExecuTorch whose custom_sdpa reads only the keys its mask marks visible: without it, every layer "
             "copies its filled keys and values at every step."
         ),
+    ).name,
+    edge_pass(
+        merge_repeated_index_arithmetic,
+        remove_when=("Safe to leave out: without it, each layer computes its cache-write slots again."),
     ).name,
     edge_pass(
         drop_same_shape_views,
