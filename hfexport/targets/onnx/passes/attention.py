@@ -445,10 +445,9 @@ def _rotary_table(rows: Any, graph_inputs: set[Any], slots: int) -> tuple[Any, A
     import numpy as np
 
     ops = _table_ops()
-    values: dict[Any, Any] = {}
     leaves: list[Any] = []
 
-    def evaluate(value: Any) -> Any:
+    def evaluate(value: Any, positions: Any, values: dict[Any, Any]) -> Any:
         if value in values:
             return values[value]
         constant = _constant_array(value)
@@ -456,24 +455,29 @@ def _rotary_table(rows: Any, graph_inputs: set[Any], slots: int) -> tuple[Any, A
         if constant is not None:
             result = constant
         elif value in graph_inputs:
-            if leaves or value.dtype is None or not value.dtype.is_integer() or value.shape is None:
+            if value.dtype is None or not value.dtype.is_integer() or value.shape is None or value.shape.rank() != 2:
                 return None
-            if value.shape.rank() != 2:
+            if leaves and leaves[0] is not value:
                 return None
-            leaves.append(value)
-            result = np.arange(slots, dtype=value.dtype.numpy())[None, :]
+            leaves[:] = [value]
+            result = positions.astype(value.dtype.numpy())[None, :]
         elif node is None or node.op_type not in ops or node.domain != "" or len(node.outputs) != 1:
             return None
         else:
-            inputs = [evaluate(x) for x in node.inputs]
+            inputs = [evaluate(x, positions, values) for x in node.inputs]
             if any(x is None for x in inputs):
                 return None
             result = ops[node.op_type](node, *inputs)
         values[value] = result
         return result
 
-    table = evaluate(rows)
+    slot = np.arange(slots)
+    table = evaluate(rows, slot, {})
     if table is None or not leaves or table.ndim != 2 or table.shape[0] != slots:
+        return None
+    # each row a function of its own position alone (the op reads rows by position): the positions
+    # reversed give the rows reversed
+    if not np.array_equal(evaluate(rows, slot[::-1].copy(), {}), table[::-1]):
         return None
     return leaves[0], np.ascontiguousarray(table)
 
@@ -483,8 +487,8 @@ def _rotary_table(rows: Any, graph_inputs: set[Any], slots: int) -> tuple[Any, A
     stage="onnx_passes",
     runs_after=["onnx_packed_projections"],
     remove_when=(
-        "For an ONNX Runtime older than 1.22 (GroupQueryAttention's position_ids input); without it each "
-        "layer keeps a Split and its two RotaryEmbedding nodes before the attention."
+        "For an ONNX Runtime whose GroupQueryAttention takes no position_ids (its tenth input); without it "
+        "each layer keeps a Split and its two RotaryEmbedding nodes before the attention."
     ),
 )
 def onnx_packed_attention_inputs(program: Any) -> PassResult:
