@@ -564,7 +564,7 @@ def test_a_failing_edge_pass_replays_with_the_command_its_reproducer_prints(tmp_
 
     model = build("tiny-llama")
     passes = [*get_target("executorch").default_passes]
-    passes.insert(passes.index("drop_same_shape_views"), "explode_on_edge_test")
+    passes.insert(passes.index("state_in_attention_layout") + 1, "explode_on_edge_test")
     config = ExecutorchConfig(dump_dir=str(tmp_path / "dump"), passes=passes)
     from transformers import GenerationConfig
 
