@@ -345,10 +345,6 @@ def infer_the_dynamic_view_axis(program: torch.export.ExportedProgram) -> int:
     return changed
 
 
-# In this order: the copies go first (a state buffer's write is then the only op reading it,
-# which state_in_attention_layout needs), then the state's layout (its write then takes the
-# keys untransposed, which lets cancel_head_transposes take the key's rotary chain), then the
-# transposes, whose removal leaves the contiguous clones to drop.
 def _causal_start(mask: torch.fx.Node) -> torch.fx.Node | None:
     """The first new token's slot when every boolean 4-D mask ``mask`` is computed from is the
     LLM-runner interface's causal one (tagged by ``llm_runner_io``), all from that one slot; else None."""
@@ -460,6 +456,11 @@ def merge_repeated_index_arithmetic(program: torch.export.ExportedProgram) -> in
     return merged
 
 
+# In this order: the copies go first (a state buffer's write is then the only op reading it,
+# which state_in_attention_layout needs), then the state's layout (its write then takes the
+# keys untransposed, which lets cancel_head_transposes take the key's rotary chain, and the
+# kernel's reads are the state's first rows, which custom_sdpa_reads_causally replaces by the
+# state itself), then the transposes, whose removal leaves the contiguous clones to drop.
 DEFAULT_EDGE_PASSES: tuple[str, ...] = (
     edge_pass(
         drop_same_layout_copies,
