@@ -395,13 +395,10 @@ def _reshape(x: Any, shape: Any) -> Any:
     return x.reshape(shape)
 
 
-def _torch_elementwise(name: str) -> Any:
-    def apply(x: Any) -> Any:
-        import torch
+def _by_torch(name: str, x: Any) -> Any:
+    import torch
 
-        return getattr(torch.from_numpy(x.copy()), name)().numpy()
-
-    return apply
+    return getattr(torch.from_numpy(x.copy()), name)().numpy()
 
 
 def _table_ops() -> dict[str, Any]:
@@ -416,8 +413,8 @@ def _table_ops() -> dict[str, Any]:
         "Reshape": lambda node, x, shape: _reshape(x, shape),
         "Transpose": lambda node, x: np.transpose(x, node.attributes.get_ints("perm", None)),
         "Concat": lambda node, *xs: np.concatenate(xs, axis=node.attributes.get_int("axis")),
-        "Cos": lambda node, x: _torch_elementwise("cos")(x),
-        "Sin": lambda node, x: _torch_elementwise("sin")(x),
+        "Cos": lambda node, x: _by_torch("cos", x),
+        "Sin": lambda node, x: _by_torch("sin", x),
     }
 
 
