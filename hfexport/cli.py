@@ -481,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", "float32", "float16", "bfloat16"),
         help="the program's floating-point dtype; auto (default): the checkpoint's where the target runs it, "
-        "else float32 (a bfloat16 checkpoint for onnx: ONNX Runtime's CPU provider has no bfloat16 kernels)",
+        "else float32 (a bfloat16 checkpoint: ONNX Runtime's CPU provider and ExecuTorch's XNNPACK have no "
+        "bfloat16 kernels)",
     )
     export.add_argument("--config", help="a JSON config file (keys of the backend's config); flags override it")
     export.add_argument(

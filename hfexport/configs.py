@@ -125,7 +125,8 @@ class DynamoConfig:
             each output's magnitude (see :class:`~hfexport.pipeline.numerics.NumericsCheck`).
         dtype: the floating-point dtype of the program: ``"auto"`` (the model's own where the
             target's runtime runs it, else float32, said in one warning: a bfloat16 model for
-            ONNX Runtime's CPU provider), ``"float32"``, ``"float16"`` or ``"bfloat16"``. The
+            ONNX Runtime's CPU provider or for ExecuTorch's XNNPACK delegate, which takes float32
+            and float16 only), ``"float32"``, ``"float16"`` or ``"bfloat16"``. The
             export converts a copy of the model (and its floating-point sample inputs); the
             model is not changed. A dtype the target's runtime cannot run is refused.
     """
@@ -404,6 +405,11 @@ class ExecutorchConfig(DynamoConfig):
             raise ConfigError(
                 f"ExecutorchConfig quantize must be None, '8da4w' (or 'int4') or '8da8w' (or 'int8'), "
                 f"got {self.quantize!r}"
+            )
+        if self.quantize and self.dtype == "bfloat16":
+            raise ConfigError(
+                f"ExecutorchConfig quantize={self.quantize!r} with dtype 'bfloat16': XNNPACK's quantized linears take "
+                "float32 or float16 activations; use dtype 'auto' or 'float32'"
             )
         for name in ("max_seq_len", "max_batch_size", "max_planned_memory_mb", "quantize_group_size"):
             value = getattr(self, name)

@@ -2,12 +2,13 @@
 each target's runtime runs, and the converted copy of the model an export then captures.
 
 ``dtype="auto"`` keeps the model's dtype where the target runs it and otherwise converts to
-float32, saying so in one warning (a bfloat16 checkpoint for ONNX Runtime's CPU provider, which
-has no bfloat16 kernels). An explicit dtype converts to it; a dtype the target's runtime cannot
-run is refused when the config is made. The user's model and inputs are never changed: a
-conversion makes a copy of the model whose floating-point weights are converted directly from the
-originals (:func:`converted_model`), so the export holds the model twice only when it must, and
-never a third copy in the old dtype.
+float32, saying so in one warning per target (a bfloat16 checkpoint for ONNX Runtime's CPU
+provider, which has no bfloat16 kernels, or for ExecuTorch's XNNPACK delegate, which takes none).
+An explicit dtype converts to it; a dtype the target's runtime cannot run is refused when the
+config is made. The user's model and inputs are never changed: a conversion makes a copy of the
+model whose floating-point weights are converted directly from the originals
+(:func:`converted_model`), so the export holds the model twice only when it must, and never a
+third copy in the old dtype.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def resolve_dtype(model: torch.nn.Module, config: Any) -> torch.dtype | None:
     if name != "auto":
         return DTYPES[name]
     target = _target(config)
-    if target is None or dtype_name(own) in target.dtypes or dtype_name(own) not in DTYPES:
+    if target is None or dtype_name(own) not in DTYPES or target.why_auto_converts(config, dtype_name(own)) is None:
         return own
     return torch.float32
 
@@ -141,27 +142,28 @@ def in_dtype(
     model: torch.nn.Module, inputs: Any, dtype: torch.dtype | None, configs: Sequence[Any]
 ) -> tuple[torch.nn.Module, Any]:
     """``(model, inputs)`` in ``dtype``: the same objects when the model already is, else a
-    converted copy (:func:`converted_model`), announced in one line: a warning when ``auto``
-    converts because a target's runtime cannot run the model's dtype, else at INFO level."""
+    converted copy (:func:`converted_model`), announced in one warning per target whose ``auto``
+    converts because its runtime cannot run the model's dtype (or not fast), else at INFO level."""
     own = model_dtype(model)
     if dtype is None or own is None or own == dtype:
         return model, inputs
     flat = [c for config in configs for c in (config.values() if isinstance(config, dict) else [config])]
-    automatic = [c for c in flat if getattr(c, "dtype", "auto") == "auto"]
-    if automatic:
-        target = _target(automatic[0])
-        runtime = target.runtime if target is not None else automatic[0].export_format
-        halves = [name for name in (target.dtypes if target is not None else ()) if name != "float32"]
+    automatic = {c.export_format: c for c in flat if getattr(c, "dtype", "auto") == "auto"}
+    for export_format, config in sorted(automatic.items()):
+        target = _target(config)
+        why = target.why_auto_converts(config, dtype_name(own)) if target is not None else None
+        halves = [
+            name for name in (target.dtypes if target is not None else ()) if name not in ("float32", dtype_name(own))
+        ]
         other = f"; dtype={halves[0]!r} gives a half-precision program" if halves else ""
         logger.warning(
-            "%s runs no %s: exporting the %s model in %s for %s%s",
-            runtime,
-            dtype_name(own),
+            "%s: exporting the %s model in %s for %s%s",
+            why or f"{export_format} runs no {dtype_name(own)}",
             dtype_name(own),
             dtype_name(dtype),
-            ", ".join(sorted({c.export_format for c in automatic})),
+            export_format,
             other,
         )
-    else:
+    if not automatic:
         logger.info("converting the %s model to %s (dtype=%r)", dtype_name(own), dtype_name(dtype), dtype_name(dtype))
     return converted_model(model, dtype), converted_inputs(inputs, own, dtype)

@@ -71,13 +71,9 @@ class TextGenerator:
         """``[1, length]`` prompt ids: ``prompt`` itself when it is ids, else tokenised (with the
         chat template when ``chat``)."""
         if not isinstance(prompt, str):
-            ids = list(prompt)
-            vocab = self._vocab_size()
-            beyond = [token for token in ids if token < 0 or (vocab is not None and token >= vocab)]
-            if beyond:
-                limit = f"0 to {vocab - 1}" if vocab is not None else "non-negative"
-                raise HfExportError(f"prompt token id(s) {beyond} are outside the vocabulary ({limit})")
-            return torch.tensor([ids], dtype=torch.long)
+            ids = torch.tensor([list(prompt)], dtype=torch.long)
+            self._check_in_vocabulary(ids, "prompt token id(s) {} are outside the model's vocabulary ({})")
+            return ids
         if self.tokenizer is None:
             raise HfExportError(
                 f"{self.folder} has no tokenizer files; export from a checkpoint folder that has them, "
@@ -90,8 +86,22 @@ class TextGenerator:
             encoded = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
             )
-            return encoded["input_ids"]
-        return self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+            ids = encoded["input_ids"]
+        else:
+            ids = self.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        self._check_in_vocabulary(
+            ids,
+            f"the tokenizer in {self.folder} gives token id(s) {{}} outside the model's vocabulary ({{}}): "
+            "it is not the model's tokenizer",
+        )
+        return ids
+
+    def _check_in_vocabulary(self, ids: torch.Tensor, message: str) -> None:
+        vocab = self._vocab_size()
+        beyond = sorted({int(token) for token in ids.flatten() if token < 0 or (vocab is not None and token >= vocab)})
+        if beyond:
+            limit = f"0 to {vocab - 1}" if vocab is not None else "non-negative"
+            raise HfExportError(message.format(beyond[:8], limit))
 
     def generate(
         self,

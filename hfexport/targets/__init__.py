@@ -45,6 +45,11 @@ class Target:
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
     runtime: ClassVar[str] = "the target's runtime"
 
+    def why_auto_converts(self, config: Any, dtype: str) -> str | None:
+        """Why ``dtype="auto"`` exports a ``dtype`` model with ``config`` in float32 instead (the
+        start of the warning that says so); ``None``: it keeps the model's dtype."""
+        return None if dtype in self.dtypes else f"{self.runtime} runs no {dtype}"
+
     def pass_list(self, config: Any) -> list[Any]:
         """The passes an export with ``config`` runs: ``config.passes``, or :attr:`default_passes`."""
         return list(self.default_passes) if config.passes is None else list(config.passes)

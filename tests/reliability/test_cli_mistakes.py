@@ -2,11 +2,16 @@
 and what to do, a non-zero exit, no traceback; ``--debug`` shows the traceback."""
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 from models import build
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast
 
 from hfexport.cli import main
 
@@ -115,6 +120,19 @@ def test_generate_mistakes_are_one_line(generation_export, tmp_path, capsys):
     static = tmp_path / "static"
     assert main(["export", "tiny-llama", "--out", str(static)]) == 0
     one_line_error(capsys, ["generate", static, "--prompt-ids", "5"], "single-graph export")
+    # another model's tokenizer beside the program: its ids would index past the embedding table,
+    # which the runtime reported as a failed kernel with "the program may need other sizes"
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(generation_export, mismatched)
+    words = Tokenizer(WordLevel({"<unk>": 0, "hello": 500}, unk_token="<unk>"))
+    words.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(mismatched)
+    one_line_error(
+        capsys,
+        ["generate", mismatched, "--prompt", "hello"],
+        "[500] outside the model's vocabulary (0 to 127)",
+        "not the model's tokenizer",
+    )
 
 
 def test_an_onnx_graph_this_onnx_runtime_cannot_load_names_the_version_it_was_exported_with(

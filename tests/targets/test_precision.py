@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from executorch.exir._serialize._program import deserialize_pte_binary
 from models import build, sample_inputs
 from transformers import GenerationConfig
 
@@ -47,7 +48,8 @@ def test_half_precision_llama_generates_eagers_tokens_on_every_target(dtype, tmp
     weights = {name: p.data_ptr() for name, p in model.named_parameters()}
     prompt = sample_inputs(model, 1, 6)
     configs = [DynamoConfig(dynamic=True, verify=True), OnnxConfig(dynamic=True, verify=True)]
-    configs.append(ExecutorchConfig(dynamic=True, verify=True))
+    # explicit: dtype="auto" exports a bfloat16 model for ExecuTorch in float32 (XNNPACK takes no bfloat16)
+    configs.append(ExecutorchConfig(dynamic=True, verify=True, dtype=str(dtype).removeprefix("torch.")))
     results = run_for_generation(model, prompt, configs, STATIC, multi_token_decode=True)
     # the user's model is untouched: same dtype, same tensors
     assert {p.dtype for p in model.parameters()} == {dtype}
@@ -87,7 +89,7 @@ def test_bfloat16_bert_verifies_on_every_target():
     model = build("tiny-bert").to(torch.bfloat16)
     inputs = sample_inputs(model, 2, 8)
     configs = [DynamoConfig(dynamic=True, verify=True), OnnxConfig(dynamic=True, verify=True)]
-    configs.append(ExecutorchConfig(dynamic=True, verify=True))
+    configs.append(ExecutorchConfig(dynamic=True, verify=True, dtype="bfloat16"))  # auto: float32 (XNNPACK)
     results = run_targets(model, inputs, configs)
     for target, result in results.items():
         last = result.records[-1]
@@ -138,6 +140,9 @@ def test_dtype_field_is_validated_in_one_line():
         OnnxConfig(dtype="bfloat16")
     assert OnnxConfig.from_dict({"export_format": "onnx", "dtype": "float16"}).to_dict()["dtype"] == "float16"
     assert ExecutorchConfig(dtype="bfloat16").dtype == "bfloat16"
+    # XNNPACK's quantized linears take float32 or float16 activations
+    with pytest.raises(ConfigError, match=r"^ExecutorchConfig quantize='8da4w' with dtype 'bfloat16': XNNPACK"):
+        ExecutorchConfig(dtype="bfloat16", quantize="8da4w")
 
 
 def test_explicit_dtype_converts_a_copy(hfexport_logs):
@@ -175,3 +180,32 @@ def test_cli_dtype_auto_says_it_converts_and_refuses_bfloat16_onnx(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ONNX Runtime's CPU provider runs no bfloat16: exporting the bfloat16 model in float32" in done.stderr
     assert ExportFolder(out).manifest.component("model").dtype == "float32"
+
+
+def test_a_bfloat16_checkpoint_exports_to_executorch_8da4w_in_float32_by_default(tmp_path):
+    """Most checkpoints are bfloat16, and XNNPACK takes no bfloat16 node: ``auto`` exports such a
+    model for ExecuTorch in float32, saying so, so its layers are delegated and 8da4w's quantized
+    linears lower at all (before: ``to_edge`` failed, "expected scalar type torch.float32 but found
+    torch.bfloat16"). The runner program decodes what the float32 model generates."""
+    folder = tmp_path / "bf16"
+    model = build("tiny-llama").to(torch.bfloat16)
+    model.save_pretrained(folder)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "hfexport.cli", "export", folder, "--format", "executorch", "--generation"]
+    done = subprocess.run(
+        [*map(str, command), "--quantize", "8da4w", "--out", out], capture_output=True, text=True, env={**os.environ}
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "XNNPACK runs no bfloat16: exporting the bfloat16 model in float32 for executorch" in done.stderr
+    export = ExportFolder(out)
+    assert export.manifest.component("decode").dtype == "float32"
+    # every linear layer runs in XNNPACK: the program's own kernels hold no matmul nor dequantization
+    program = deserialize_pte_binary((out / "model.pte").read_bytes())
+    plan = next(p for p in getattr(program, "program", program).execution_plan if p.name == "forward")
+    assert {d.id for d in plan.delegates} == {"XnnpackBackend"}
+    operators = {o.name for o in plan.operators}
+    assert not {name for name in operators if "mm" in name or "linear" in name or "quant" in name}, operators
+    prompt = torch.tensor([[1, 5, 9, 23]])
+    decoder = export.decoder(batch_size=1)
+    tokens = greedy_decode(decoder, prompt, NEW_TOKENS, decoder.max_cache_len)
+    assert tokens.shape == (1, prompt.shape[1] + NEW_TOKENS)

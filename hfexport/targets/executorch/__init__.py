@@ -30,6 +30,14 @@ class ExecutorchTarget(Target):
     default_passes = passes.DEFAULT_PASSES
     runtime = "the ExecuTorch runtime"
 
+    def why_auto_converts(self, config: Any, dtype: str) -> str | None:
+        # XNNPACK's partitioner takes float32 and float16 nodes only
+        # (executorch/backends/xnnpack/partition/config/xnnpack_config.py): a bfloat16 program
+        # runs every op on the portable kernels, and its 8da4w linears could not be lowered at all
+        if dtype == "bfloat16" and config.backend == "xnnpack":
+            return "XNNPACK runs no bfloat16"
+        return super().why_auto_converts(config, dtype)
+
     def pass_list(self, config: Any) -> list[Any]:
         return passes.pass_list(config)
 
