@@ -6,11 +6,12 @@
 No weights are downloaded: each shape is a random-weight bfloat16 checkpoint made from the model's real config
 (``LlamaForCausalLM(config).save_pretrained``, seeded), with SmolLM2-135M-Instruct's tokenizer files beside it (its ids
 are within the vocabulary; the text is noise, the shapes and bytes are real). Each variant is exported in a child
-process as a user runs it (``hfexport export CHECKPOINT --format onnx --generation [--quantize int4]``; the builder as
-in ``runtime_loops.py``); per export: wall seconds, CPU seconds (user + system) and peak RSS of the child, and for
-hfexport each pipeline stage's seconds and peak RSS from its progress lines (what is left of the wall time is loading,
-the dtype conversion, the generation checks and the save). Then each folder is loaded by ``og.Model`` in a child and
-generates 16 tokens greedily with ``og.Generator`` (decode tokens/s). Folders are deleted as soon as they are measured.
+process as a user runs it (``hfexport export CHECKPOINT --format onnx|executorch --generation [--quantize
+int4|8da4w]``; the builder as in ``runtime_loops.py``, ONNX only); per export: wall seconds, CPU seconds (user +
+system) and peak RSS of the child, and for hfexport each pipeline stage's seconds and peak RSS from its progress lines
+(what is left of the wall time is loading, the dtype conversion, the generation checks and the save). Then each folder
+runs in a child: ``og.Model`` + ``og.Generator``, or the ``.pte``'s LLM-runner ``forward`` in the ExecuTorch runtime,
+16 greedy tokens (decode tokens/s). Folders are deleted as soon as they are measured.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ SHAPES: dict[str, dict[str, Any]] = {
 HFEXPORT = {
     "onnx:fp32": ["--format", "onnx"],
     "onnx:int4": ["--format", "onnx", "--quantize", "int4"],
+    "executorch:fp32": ["--format", "executorch"],
+    "executorch:8da4w": ["--format", "executorch", "--quantize", "8da4w"],
 }
 STAGE_LINE = re.compile(r"\[\d+/\d+\] (\w+) done in ([\d.]+)s, peak RSS (\d+) MiB")
 RUN_IN_GENAI = """
@@ -64,6 +67,22 @@ generator.generate_next_token()
 started = time.perf_counter()
 for _ in range(15):
     generator.generate_next_token()
+print(15 / (time.perf_counter() - started))
+"""
+# the LLM runner's forward(tokens, input_pos) in the ExecuTorch runtime, greedy, as TextLLMRunner calls it (random
+# weights make ids the copied tokenizer cannot decode, so the runner's text callback is left out)
+RUN_IN_EXECUTORCH = """
+import sys, time
+from pathlib import Path
+import torch
+import executorch.extension.llm.custom_ops.custom_ops  # the runner's build has them
+from executorch.runtime import Runtime
+method = Runtime.get().load_program(next(Path(sys.argv[1]).glob("*.pte"))).load_method("forward")
+prompt = torch.arange(1, 9)[None]
+token = int(method.execute([prompt, torch.arange(8)])[0][0, -1].argmax())
+started = time.perf_counter()
+for position in range(8, 23):
+    token = int(method.execute([torch.tensor([[token]]), torch.tensor([position])])[0][0, -1].argmax())
 print(15 / (time.perf_counter() - started))
 """
 
@@ -111,9 +130,11 @@ def stages(log: Path) -> list[dict[str, Any]]:
     ]
 
 
-def decode_in_genai(folder: Path) -> float | str:
-    """``og.Generator``'s decode tokens/s over ``folder`` (in a child: the model's memory goes with it)."""
-    done = subprocess.run([sys.executable, "-c", RUN_IN_GENAI, str(folder)], capture_output=True, text=True)
+def decode_in_runtime(folder: Path, variant: str) -> float | str:
+    """Decode tokens/s over ``folder`` in its runtime, ``og.Generator`` or ExecuTorch's (in a child: the model's
+    memory goes with it)."""
+    script = RUN_IN_GENAI if variant.startswith("onnx") else RUN_IN_EXECUTORCH
+    done = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True)
     if done.returncode:
         return f"failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
     return round(float(done.stdout.strip().splitlines()[-1]), 1)
@@ -141,8 +162,8 @@ def measure(args: argparse.Namespace, shape: str, work: Path) -> list[dict[str, 
             row |= timed_child([*command, str(out)], log)
             row["stages"] = stages(log) if exporter == "hfexport" else []
             row["folder_gib"] = round(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**30, 2)
-            print(f"{shape}: run {variant} ({exporter}) in og.Generator ...", file=sys.stderr, flush=True)
-            row["decode_tokens_per_second"] = decode_in_genai(out)
+            print(f"{shape}: run {variant} ({exporter}) in its runtime ...", file=sys.stderr, flush=True)
+            row["decode_tokens_per_second"] = decode_in_runtime(out, variant)
             rows.append(row)
             shutil.rmtree(out)
     shutil.rmtree(checkpoint)
@@ -151,7 +172,7 @@ def measure(args: argparse.Namespace, shape: str, work: Path) -> list[dict[str, 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| shape | variant | exporter | wall s | CPU s | peak RSS GiB | folder GiB | og.Generator tok/s "
+        "| shape | variant | exporter | wall s | CPU s | peak RSS GiB | folder GiB | runtime tok/s "
         "| stages (s, peak RSS GiB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
