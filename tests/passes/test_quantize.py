@@ -409,3 +409,29 @@ def test_int4_quantizes_a_weight_at_a_time_without_a_protobuf_copy_of_the_model(
     (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
     assert record.counts["rescored_outputs"] == 1  # the tied output projection, 4 bits, its top logits exact
     assert "quantized: logit cosine" in result.report
+
+
+@pytest.mark.parametrize(
+    ("mode", "algorithm", "dtype", "group_size"),
+    [("8da4w", "hqq", torch.int4, 32), ("8da4w", "affine", torch.int4, 32), ("8da8w", "affine", torch.int8, None)],
+)
+def test_torchao_weights_are_quantized_a_few_rows_at_a_time_with_the_whole_matrix_s_values(
+    mode, algorithm, dtype, group_size, monkeypatch
+):
+    """The 8da4w / 8da8w weights are quantized in slices of rows, which kept torchao's HQQ copies of
+    a large table (a 128256-row embedding) in cache and out of the peak: each group is one row's, so
+    the values, scales and zero points are those of the whole matrix at once (a last slice shorter)."""
+    from hfexport.passes import quantize
+    from hfexport.passes.quantize import Int4WeightsInt8Activations, Int8WeightsInt8Activations
+
+    pass_ = Int4WeightsInt8Activations(algorithm=algorithm) if mode == "8da4w" else Int8WeightsInt8Activations()
+    weight = torch.randn(203, 256) * 0.02
+    monkeypatch.setattr(quantize, "QUANTIZE_CHUNK_ELEMENTS", 1 << 40)
+    whole = pass_._quantized(weight, dtype, group_size)
+    monkeypatch.setattr(quantize, "QUANTIZE_CHUNK_ELEMENTS", 10 * 256)
+    sliced = pass_._quantized(weight, dtype, group_size)
+    assert whole[0].shape == weight.shape and whole[0].dtype == torch.int8
+    for a, b in zip(whole[:3], sliced[:3], strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a, b)
+    assert whole[3:] == sliced[3:]
