@@ -118,6 +118,9 @@ def test_the_graph_takes_only_what_onnxruntime_genai_feeds_and_its_config_says_s
     assert [o.name for o in graph.output] == ["logits", *(name.replace("past_key_values", "present") for name in past)]
     mask = next(i for i in graph.input if i.name == "attention_mask").type.tensor_type
     assert mask.elem_type == onnx.TensorProto.INT64 and len(mask.shape.dim) == 2
+    # every layer's attention reads one key count derived from the mask (not one per layer's counter)
+    attention = [node for node in graph.node if node.op_type == "GroupQueryAttention"]
+    assert len(attention) == 2 and len({node.input[5] for node in attention}) == 1
     config = json.loads((out / "genai_config.json").read_text())
     decoder = config["model"]["decoder"]
     assert config["model"]["type"] == "decoder" and decoder["filename"] == "model.onnx"

@@ -209,6 +209,9 @@ def genai_io(program: Any) -> Any:
         value.name = PAST.format(layer, kind)
     import onnx_ir.passes.common as common
 
+    # each layer derived its attention's key count from its own counter; from one start they are
+    # one computation (SmolLM2: 30 Add + Cast pairs, run at every step, become one)
+    common.CommonSubexpressionEliminationPass()(model)
     common.RemoveUnusedNodesPass()(model)
     model.metadata_props[INTERFACE_KEY] = INTERFACE
     return program
