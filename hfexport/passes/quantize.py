@@ -44,7 +44,6 @@ from hfexport.pipeline.numerics import QUANTIZED_WEIGHTS
 from hfexport.pipeline.pass_manager import Pass, PassResult, register_pass
 from hfexport.versions import TORCHAO_LOGGERS, quiet_loggers
 
-
 # the weight elements quantized at once (1 MiB of float32), a slice of rows that stays in cache:
 # 8da4w of a 32768 x 2048 matrix took 2.9 s of CPU instead of 17.5 s, with the same values
 QUANTIZE_CHUNK_ELEMENTS = 1 << 18
