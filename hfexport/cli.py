@@ -154,7 +154,7 @@ def _export(args: argparse.Namespace) -> int:
     from hfexport.models.processor_inputs import sample_inputs_for
     from hfexport.models.tasks import infer_task
     from hfexport.pipeline.instruments import ProgressInstrument
-    from hfexport.pipeline.pass_manager import private_weights
+    from hfexport.pipeline.pass_manager import disposable_weights, private_weights
     from hfexport.pipeline.pipeline import stage_table
     from hfexport.precision import group_by_dtype, in_dtype
     from hfexport.targets import save_export
@@ -171,14 +171,18 @@ def _export(args: argparse.Namespace) -> int:
     clear_out(out, list(folders.values()), args.overwrite)
     if args.static and args.generation:
         raise ConfigError("--generation exports a decode graph that takes any prompt length; drop --static")
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    model = load_model(args.model, args.task, args.trust_remote_code)
-    dtypes = group_by_dtype(model, configs)
-    if len(dtypes) == 1:
-        # every target exports one dtype: convert now and drop the loaded copy, which the export
-        # would otherwise hold beside its converted one to the end
-        model, _ = in_dtype(model, {}, next(iter(dtypes)), configs)
-    private_weights(model)  # the command line's own: its programs need no copy of the weights
+
+    def load() -> Any:
+        print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+        model = load_model(args.model, args.task, args.trust_remote_code)
+        dtypes = group_by_dtype(model, configs)
+        if len(dtypes) == 1:
+            # every target exports one dtype: convert now and drop the loaded copy, which the
+            # export would otherwise hold beside its converted one to the end
+            model, _ = in_dtype(model, {}, next(iter(dtypes)), configs)
+        return private_weights(model)  # the command line's own: its programs need no copy of the weights
+
+    model = load()
     source = model_folder(args.model)
     if getattr(model.config, "is_encoder_decoder", False):
         # the runtimes' own loops run a decoder-only model: an encoder-decoder keeps the spec's interface
@@ -210,21 +214,22 @@ def _export(args: argparse.Namespace) -> int:
         # runtime checks that a slice of them is at least two long: BERT2BERT's positions)
         several_tokens = not getattr(model.config, "is_encoder_decoder", False)
 
-        def export_components() -> dict[str, Any]:
-            return run_for_generation(
-                model,
-                inputs,
-                configs,
-                generation_config,
-                several_tokens,
-                progress,
-                on_component=announce,
-                components=components,
-                skip_unused_prefill=components is None,
-            )
+        def export_components(model: Any) -> dict[str, Any]:
+            with disposable_weights(model):  # the quantized layers' fp32 weights go as they are replaced
+                return run_for_generation(
+                    model,
+                    inputs,
+                    configs,
+                    generation_config,
+                    several_tokens,
+                    progress,
+                    on_component=announce,
+                    components=components,
+                    skip_unused_prefill=components is None,
+                )
 
         try:
-            by_component = export_components()
+            by_component = export_components(model)
         except RuntimeInterfaceError as error:
             if not getattr(args, "defaulted_runtime_io", False):
                 raise
@@ -236,7 +241,9 @@ def _export(args: argparse.Namespace) -> int:
                 flush=True,
             )
             configs[:] = _without_runtime_io(configs)
-            by_component = export_components()
+            if any(not p.untyped_storage().nbytes() for p in model.parameters()):
+                model = load()  # the refused export had freed weights it dropped
+            by_component = export_components(model)
         for export_format, folder in folders.items():
             results = {name: by_target[export_format] for name, by_target in by_component.items()}
             # a recurrent decode (Mamba) takes one token per step even when several were asked for
@@ -252,7 +259,8 @@ def _export(args: argparse.Namespace) -> int:
             for spec in manifest.components.values():
                 print(f"wrote {folder / spec.file}")
         return 0
-    results = run_targets(model, inputs, configs, progress)
+    with disposable_weights(model):
+        results = run_targets(model, inputs, configs, progress)
     for config in configs:
         folder, result = folders[config.export_format], results[config.export_format]
         Interrupts.check()

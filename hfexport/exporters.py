@@ -22,7 +22,7 @@ from hfexport.models import TRANSFORMERS
 from hfexport.pipeline.capture import Captured
 from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.instruments import Instrument, TimingInstrument
-from hfexport.pipeline.pass_manager import PassManager, resolve_passes
+from hfexport.pipeline.pass_manager import PassManager, resolve_passes, weights_kept_if
 from hfexport.pipeline.pipeline import PassStage, Pipeline, PipelineResult
 from hfexport.precision import group_by_dtype, in_dtype, resolve_dtype
 from hfexport.targets import Target, get_target
@@ -310,8 +310,12 @@ def run_for_generation(
             if config.dump_dir:
                 config.dump_dir = str(Path(config.dump_dir) / name)
             component_configs.append(config)
+        # the model's weights stay whole for the components after this one, and for a decode
+        # exported again from one step
+        last = index == len(selected) - 1
         try:
-            results[name] = run_targets(module, kwargs, component_configs, instruments, exporters)
+            with weights_kept_if(_fixed_query_above_one if last else lambda captured: True):
+                results[name] = run_targets(module, kwargs, component_configs, instruments, exporters)
             if name == "decode" and _query_fixed_above_one(results[name]):
                 # the loops feed a decode graph a prompt and then one token; one that takes exactly
                 # the merged sample's tokens could run neither (MiniMax's code fixes the length, as
@@ -343,10 +347,14 @@ def _runtime_loops(configs: Sequence[Any]) -> list[str]:
 
 def _query_fixed_above_one(by_target: dict[str, PipelineResult]) -> bool:
     """Whether a captured decode graph takes a fixed number of new tokens above one."""
-    return any(
+    return any(_fixed_query_above_one(result.captured) for result in by_target.values())
+
+
+def _fixed_query_above_one(captured: Any) -> bool:
+    """Whether a capture takes a fixed number of new tokens above one (see :func:`_query_fixed_above_one`)."""
+    return captured is not None and any(
         axis.input == "input_ids" and axis.axis == 1 and not axis.dynamic and axis.size > 1
-        for result in by_target.values()
-        for axis in result.input_axes
+        for axis in captured.input_axes
     )
 
 

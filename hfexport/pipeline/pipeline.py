@@ -15,7 +15,13 @@ from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.input_axes import InputAxis
 from hfexport.pipeline.instruments import DumpInstrument, Instrument, StepRecord, TimingInstrument
 from hfexport.pipeline.numerics import NumericsCheck
-from hfexport.pipeline.pass_manager import PassManager, PassResult, execute_pass, own_weights
+from hfexport.pipeline.pass_manager import (
+    PassManager,
+    PassResult,
+    execute_pass,
+    own_weights,
+    release_dropped_weights,
+)
 from hfexport.pipeline.patches import EXPORT_LOCK
 
 
@@ -84,6 +90,10 @@ class PassStage(Stage):
 
             program = run.step(step, program, apply)
             done.append(pass_.name)
+            # a capture shared by several targets shares their weights: none is freed
+            freed = release_dropped_weights(program, run.captured) if run.shared is None else 0
+            if freed:
+                step.counts["model_weights_freed_mib"] = round(freed / 2**20, 1)
         return program
 
 

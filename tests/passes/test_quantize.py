@@ -435,3 +435,47 @@ def test_torchao_weights_are_quantized_a_few_rows_at_a_time_with_the_whole_matri
         assert a.shape == b.shape and a.dtype == b.dtype
         assert torch.equal(a, b)
     assert whole[3:] == sliced[3:]
+
+
+def test_the_fp32_weights_a_quantization_pass_replaced_are_freed_when_the_caller_is_done_with_the_model():
+    """In a ``disposable_weights`` block (the command line's, over the model it loaded), the pass
+    stage frees each private parameter the program no longer holds: the linear weights 8da4w
+    replaced, which a Llama-3.2-3B-shaped export held (12 GB) to the end. The program is the same
+    byte for byte; the embedding table it still reads is whole; a user's model (not private), a
+    capture two targets share and a component before the last free nothing."""
+    from transformers import GenerationConfig
+
+    from hfexport import DynamoConfig
+    from hfexport.exporters import run_for_generation, run_targets
+    from hfexport.pipeline.pass_manager import disposable_weights, private_weights
+
+    static = GenerationConfig(cache_implementation="static", max_cache_len=32)
+    prompt = sample_inputs(build("tiny-llama"), 1, 6)
+
+    def export(model):
+        config = ExecutorchConfig(dynamic=True, quantize="8da4w", llm_runner=True)
+        return run_for_generation(model, prompt, [config], static, multi_token_decode=True)["decode"]["executorch"]
+
+    kept = build("tiny-llama")
+    with disposable_weights(kept):  # not private: the user's
+        reference = export(kept)
+    assert all(p.untyped_storage().nbytes() for p in kept.parameters())
+    assert "model_weights_freed_mib" not in reference.record("int4_weights_int8_activations").counts
+
+    model = private_weights(build("tiny-llama"))
+    with disposable_weights(model):
+        freed = export(model)
+    assert freed.record("int4_weights_int8_activations").counts["model_weights_freed_mib"] > 0
+    emptied = {name for name, p in model.named_parameters() if not p.untyped_storage().nbytes()}
+    linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    assert emptied == linears - tied  # the embedding table (and an output projection tied to it) is read
+    assert model.model.embed_tokens.weight.untyped_storage().nbytes()
+    assert freed.program.buffer == reference.program.buffer
+
+    shared = private_weights(build("tiny-llama"))
+    inputs = sample_inputs(shared, 1, 6)
+    configs = [DynamoConfig(dynamic=True), ExecutorchConfig(dynamic=True, quantize="8da4w")]
+    with disposable_weights(shared):
+        run_targets(shared, inputs, configs)
+    assert all(p.untyped_storage().nbytes() for p in shared.parameters())
