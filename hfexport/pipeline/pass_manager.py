@@ -311,7 +311,9 @@ def release_dropped_weights(program: Any, captured: Any) -> int:
         storage = param.untyped_storage()
         if storage.nbytes() and storage.data_ptr() not in held:
             freed += storage.nbytes()
-            storage.resize_(0)
+            # the parameter lets go of its storage (one loaded from safetensors is a file mapping,
+            # which cannot be resized); a read of it afterwards fails on its empty shape
+            param.data = param.data.new_empty(0)
     return freed
 
 

@@ -479,3 +479,26 @@ def test_the_fp32_weights_a_quantization_pass_replaced_are_freed_when_the_caller
     with disposable_weights(shared):
         run_targets(shared, inputs, configs)
     assert all(p.untyped_storage().nbytes() for p in shared.parameters())
+
+
+def test_a_runtime_interface_refused_after_the_weights_were_freed_falls_back_on_a_reloaded_model(
+    tmp_path, monkeypatch, capsys
+):
+    """The command line falls back to hfexport's own interface when the runtime's cannot express
+    a model; a refusal after the pass stage (the LLM runner's interface is its own stage) comes
+    after the quantized layers' fp32 weights were freed, so the second export loads the model again."""
+    from hfexport.cli import main
+    from hfexport.targets.executorch import llm_runner
+
+    def refuse(program, run):
+        raise llm_runner._refuse("it is refused by this test")
+
+    monkeypatch.setattr(llm_runner, "llm_runner_io", refuse)
+    build("tiny-llama").save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    argv = ["export", str(tmp_path / "ckpt"), "--format", "executorch", "--generation", "--quantize", "8da4w"]
+    assert main([*argv, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "it is refused by this test: exporting hfexport's own interface instead" in err
+    assert err.count("loading ") == 2
+    assert ExportFolder(out).manifest.component("decode").interface != "executorch-llm-runner"
