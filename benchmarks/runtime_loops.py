@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -72,6 +73,9 @@ OPTIMUM = {
 }
 
 
+PEAK_LINE = re.compile(r"^peak RSS (\d+) MiB$", re.MULTILINE)
+
+
 def timed_child(command: list[str], log: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``command``; its wall and CPU seconds and peak RSS (MiB) from its own rusage."""
     started = time.perf_counter()
@@ -81,10 +85,13 @@ def timed_child(command: list[str], log: Path, env: dict[str, str] | None = None
     wall = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{' '.join(command)} failed; see {log}")
+    # hfexport resets the kernel's high-water mark at each pipeline step, which lowers the child's
+    # ru_maxrss to the peak since its last step: it prints its whole peak as its last line
+    printed = [int(m) for m in PEAK_LINE.findall(log.read_text(errors="replace"))]
     return {
         "wall_seconds": round(wall, 1),
         "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
-        "peak_rss_mib": round(usage.ru_maxrss / 1024),
+        "peak_rss_mib": max([round(usage.ru_maxrss / 1024), *printed]),
     }
 
 

@@ -258,6 +258,7 @@ def _export(args: argparse.Namespace) -> int:
             manifest = save_export(folder, results, generation=generation, model_folder=source)
             for spec in manifest.components.values():
                 print(f"wrote {folder / spec.file}")
+        _print_peak_rss()
         return 0
     with disposable_weights(model):
         results = run_targets(model, inputs, configs, progress)
@@ -268,7 +269,15 @@ def _export(args: argparse.Namespace) -> int:
         print(stage_table(result.records))
         dumps = f"; dumps and report.md in {config.dump_dir}" if config.dump_dir else ""
         print(f"\nwrote {folder / manifest.components['model'].file}{dumps}")
+    _print_peak_rss()
     return 0
+
+
+def _print_peak_rss() -> None:
+    from hfexport.pipeline.instruments import process_peak_rss_mb
+
+    # the whole export's, loading included (the per-stage figures are each stage's own)
+    print(f"peak RSS {process_peak_rss_mb():.0f} MiB", file=sys.stderr, flush=True)
 
 
 def _shapes(inputs: dict[str, Any]) -> str:

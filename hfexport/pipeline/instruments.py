@@ -98,8 +98,21 @@ def _read_peak_rss_kb() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+# the process's peak RSS (kB) before the last reset of the kernel's high-water mark: the reset
+# also lowers what getrusage reports, to the process's parent too
+_PEAK_BEFORE_RESETS_KB = 0
+
+
+def process_peak_rss_mb() -> float:
+    """This process's peak RSS so far (MiB), the per-step resets of the kernel's high-water mark
+    notwithstanding (``getrusage`` and ``/usr/bin/time`` report the peak since the last reset)."""
+    return max(_PEAK_BEFORE_RESETS_KB, _read_peak_rss_kb()) / 1024
+
+
 def _reset_peak_rss() -> None:
     # Linux: writing 5 to clear_refs resets VmHWM, so each step gets its own peak.
+    global _PEAK_BEFORE_RESETS_KB
+    _PEAK_BEFORE_RESETS_KB = max(_PEAK_BEFORE_RESETS_KB, _read_peak_rss_kb())
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")

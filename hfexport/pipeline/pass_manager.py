@@ -267,7 +267,7 @@ _DISPOSABLE: contextvars.ContextVar[tuple[list[torch.Tensor], tuple[Callable[[An
 @contextlib.contextmanager
 def disposable_weights(model: torch.nn.Module) -> Iterator[None]:
     """Say that nothing reads ``model``'s weights once the export run in this block has captured
-    it (the command line, which loaded it; an export of a copy it converted), so each pass stage
+    it (the command line says so of the model it loaded), so each pass stage
     frees every private parameter of it (:func:`private_weights`) the program no longer holds:
     the fp32 weights a quantization pass replaced (a Llama-3.2-3B-shaped 8da4w export held 12 GB
     of them to the end). Narrowed by :func:`weights_kept_if`."""
