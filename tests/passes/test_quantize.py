@@ -36,21 +36,21 @@ def test_onnx_quantization_pass_quantizes_every_linear_layer(mode, op, min_cosin
     model = build("tiny-llama")
     result = OnnxExporter().run(model, sample_inputs(model), OnnxConfig(dynamic=True, verify=True, quantize=mode))
     (record,) = [p for s in result.records for p in s.children if p.name.startswith("onnx_int")]
-    # onnx_packed_projections ran before: per layer q k v, o, gate up, down, and the lm_head
-    assert record.counts[QUANTIZED_WEIGHTS] == 2 * 4 + 1
+    # onnx_packed_projections ran before: per layer q k v, o, gate, up, down, and the lm_head
+    assert record.counts[QUANTIZED_WEIGHTS] == 2 * 5 + 1
     assert record.counts["weight_kib_after"] < record.counts["weight_kib_before"]
     histogram = {node.op_type for node in result.program.model.graph}
     assert op in histogram
     if mode == "int4":
-        # the logits' MatMul keeps 8 bits; the packed weights (q k v, gate up) are one MatMulNBits
-        # each, split after it; every input quantized to int8 on the fly, no float minimums
+        # the logits' MatMul keeps 8 bits; the packed q k v weights are one MatMulNBits, split
+        # after it; every input quantized to int8 on the fly, no float minimums
         graph = result.program.model.graph
         levels = [
             (n.attributes["bits"].as_int(), n.attributes["accuracy_level"].as_int()) for n in graph if n.op_type == op
         ]
-        assert levels == [(4, 4)] * (2 * 4) + [(8, 4)] and record.counts["int8_weights_kept"] == 1
+        assert levels == [(4, 4)] * (2 * 5) + [(8, 4)] and record.counts["int8_weights_kept"] == 1
         splits = [len(node.outputs) for node in graph if node.op_type == "Split"]
-        assert sorted(splits) == [2, 2, 3, 3] and "float_input_weights" not in record.counts
+        assert sorted(splits) == [3, 3] and "float_input_weights" not in record.counts
         assert not [node for node in graph if node.op_type == "MatMul" and node.inputs[1].const_value is not None]
     # verify checked the logits by cosine similarity, and the report says what it measured
     assert "quantized: logit cosine" in result.report and "top-1 agreement" in result.report
@@ -238,8 +238,8 @@ def test_quantize_modes_and_group_sizes_are_checked_when_the_config_is_built():
 
 @pytest.mark.parametrize("minimums", [True, False])
 def test_int4_keeps_the_inputs_of_the_layers_nearest_the_logits_in_fp32(minimums):
-    # 4 layers x 4 4-bit MatMuls (q k v and gate up packed): float_tail 1/4 is the last 4 in graph
-    # order, the last layer
+    # 4 layers x 5 4-bit MatMuls (q k v packed; gate and up too with minimums, which packs its own
+    # blocks): float_tail 1/4 is the last layer
     from hfexport.exporters import OnnxExporter as Exporter
     from hfexport.targets.onnx.passes.quantize import OnnxInt4Weights
 
@@ -254,10 +254,10 @@ def test_int4_keeps_the_inputs_of_the_layers_nearest_the_logits_in_fp32(minimums
         nodes = [node for node in graph if node.op_type == "MatMulNBits" and node.attributes["bits"].as_int() == 4]
         levels[tail] = [node.attributes["accuracy_level"].as_int() for node in nodes]
         (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
-        assert record.counts.get("float_input_weights", 0) == {1 / 4: 4, 1 / 8: 2, 0: 0}[tail]
-    per_layer = 4  # packed: q k v, o, gate up, down
+        assert record.counts.get("float_input_weights", 0) == {1 / 4: 5, 1 / 8: 2, 0: 0}[tail]
+    per_layer = 4 if minimums else 5  # nodes: q k v (packed), o, gate, up, down
     assert levels[1 / 4] == [4] * 3 * per_layer + [1] * per_layer
-    # 2 of the 16 nodes: gate up (packed) and down
+    # the last 2 nodes: up (gate up with minimums) and down
     assert levels[1 / 8] == [4] * (4 * per_layer - 2) + [1] * 2
     assert levels[0] == [4] * 4 * per_layer
 
@@ -282,7 +282,7 @@ def test_int4_keeps_the_attention_projections_inputs_in_fp32(minimums):
         per_weight[attention] = [node.attributes["accuracy_level"].as_int() for node in nodes]
         (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
         assert record.counts.get("float_input_weights", 0) == (3 * 2 if attention else 0)
-    layer = [1, 1, 4, 4]  # q k v (packed), o, gate up (packed), down
+    layer = [1, 1, 4, 4] if minimums else [1, 1, 4, 4, 4]  # q k v (packed), o, gate, up (packed: minimums), down
     assert per_weight[True] == layer * 3
     assert per_weight[False] == [4] * len(layer) * 3
 

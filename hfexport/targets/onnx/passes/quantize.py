@@ -73,9 +73,8 @@ class OnnxInt4Weights(Pass):
     points), their inputs quantized to int8 per block on the fly (``accuracy_level=4``). An output
     projection tied to the embedding table goes to symmetric 4-bit blocks with its ``rescore_top``
     highest logits recomputed from the fp32 table (:mod:`hfexport.passes.top_logits`); any other
-    stays in symmetric 8-bit blocks. Weights that read one input are packed into one ``MatMul``
-    before (``onnx_packed_projections``), so q, k and v (gate and up) share a node and quantize their
-    input once.
+    stays in symmetric 8-bit blocks. A layer's q, k and v weights are packed into one ``MatMul``
+    before (``onnx_packed_projections``), so they share a node and quantize their input once.
 
     The defaults are close to ONNX Runtime GenAI's model builder's form (it takes symmetric blocks),
     which its runtime and users compare against. SmolLM2-135M-Instruct in ``og.Generator``, 64 tokens
