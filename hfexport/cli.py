@@ -177,9 +177,9 @@ def _export(args: argparse.Namespace) -> int:
         model = load_model(args.model, args.task, args.trust_remote_code)
         dtypes = group_by_dtype(model, configs)
         if len(dtypes) == 1:
-            # every target exports one dtype: convert now and drop the loaded copy, which the
-            # export would otherwise hold beside its converted one to the end
-            model, _ = in_dtype(model, {}, next(iter(dtypes)), configs)
+            # every target exports one dtype: convert now, in place (the loaded weights go as
+            # the converted ones are made)
+            model, _ = in_dtype(model, {}, next(iter(dtypes)), configs, in_place=True)
         return private_weights(model)  # the command line's own: its programs need no copy of the weights
 
     model = load()
