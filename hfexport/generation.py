@@ -110,6 +110,20 @@ class DecodeMasks:
         padding = int(shape[1]) if shape is not None and len(shape) == 2 else None
         return cls(types or None, windows, dtypes, name, padding)
 
+    @classmethod
+    def of_component(cls, spec: Any, cache_len: int) -> DecodeMasks:
+        """The masks a decode component's manifest entry (``spec``, a
+        :class:`~hfexport.targets.manifest.ComponentSpec`) takes, checked against its cache's
+        ``cache_len``."""
+        masks = cls.from_input_paths(
+            [i.path for i in spec.fed],
+            spec.attention_windows,
+            {i.path: getattr(torch, i.dtype) for i in spec.fed if i.path.startswith("attention_mask")},
+            shapes={i.path: i.shape for i in spec.fed},
+        )
+        masks.check_cache_length(cache_len)
+        return masks
+
     def _typed(self, path: str, mask: torch.Tensor) -> torch.Tensor:
         # eager attention adds its mask to the scores: 0 where visible, the dtype's minimum where not
         dtype = self.dtypes.get(path, torch.bool)

@@ -212,13 +212,7 @@ class ExecutorchDecoder(StaticCacheDecoder):
         self.position_rows = self.rows_of(next((i.shape for i in self.spec.fed if i.path == "position_ids"), None))
         # ExecuTorch's LLM runner's interface: the new tokens' cache slots, from which the program makes the rest
         self.slots_only = any(i.path == POSITIONS for i in self.spec.fed)
-        self.masks = DecodeMasks.from_input_paths(
-            [i.path for i in self.spec.fed],
-            self.spec.attention_windows,
-            {i.path: getattr(torch, i.dtype) for i in self.spec.fed if i.path.startswith("attention_mask")},
-            shapes={i.path: i.shape for i in self.spec.fed},
-        )
-        self.masks.check_cache_length(self.max_cache_len)
+        self.masks = DecodeMasks.of_component(self.spec, self.max_cache_len)
 
     def __call__(
         self, input_ids: torch.Tensor, valid: torch.Tensor, query_slots: torch.Tensor, position_ids: torch.Tensor

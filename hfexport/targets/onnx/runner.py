@@ -189,13 +189,7 @@ class OnnxDecoder(StaticCacheDecoder):
         self.max_cache_len = self.cache_length(masks, [list(t.shape) for t in self.cache.values()])
         self.logits_name = next(o.name for o in self.spec.outputs if o.kind == "tensor")
         if not self.genai:
-            self.masks = DecodeMasks.from_input_paths(
-                [i.path for i in self.spec.fed],
-                self.spec.attention_windows,
-                {i.path: getattr(torch, i.dtype) for i in self.spec.fed if i.path.startswith("attention_mask")},
-                shapes={i.path: i.shape for i in self.spec.fed},
-            )
-            self.masks.check_cache_length(self.max_cache_len)
+            self.masks = DecodeMasks.of_component(self.spec, self.max_cache_len)
         self.position_rows = self.rows_of(next((i.shape for i in self.spec.fed if i.path == "position_ids"), None))
         self.input_name = {spec.path: spec.name for spec in self.spec.fed}
         self.binding = self.session.io_binding()
