@@ -322,6 +322,9 @@ def _generate(args: argparse.Namespace) -> int:
             stream = lambda piece: print(piece, end="", flush=True)  # noqa: E731
             result = generator.generate(text, args.max_new_tokens, chat=args.chat, stream=stream, sampling=sampling)
             print()
+            if not args.chat and not result.text.strip() and getattr(generator.tokenizer, "chat_template", None):
+                # an instruct model given bare text often ends its reply at once
+                print("hfexport: the reply is empty; the tokenizer has a chat template: try --chat", file=sys.stderr)
             if index < len(args.prompt) - 1:
                 _print_figures(result)
     _print_figures(result)

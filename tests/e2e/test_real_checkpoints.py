@@ -118,6 +118,15 @@ def test_smollm2_text_in_text_out_from_a_self_contained_export_folder(checkpoint
     printed = capsys.readouterr()
     assert printed.out.startswith(f"[1/2] {question}\n{text.strip()}\n\n[2/2] Hello!\n")
     assert len([line for line in printed.err.splitlines() if line.startswith("prompt ")]) == 2  # each's figures
+    # bare text: an instruct model may end its reply at once, and the command says to try --chat
+    bare = tokenizer(question, return_tensors="pt")
+    with torch.no_grad():
+        reply = model.generate(**bare, max_new_tokens=8, do_sample=False)[0, bare["input_ids"].shape[1] :]
+    assert main(["generate", str(out), "--prompt", question, "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr()
+    empty = not tokenizer.decode(reply, skip_special_tokens=True).strip()
+    assert printed.out.strip() == tokenizer.decode(reply, skip_special_tokens=True).strip()
+    assert ("try --chat" in printed.err) == empty
     if target == "onnx":  # the same folder in ONNX Runtime GenAI's own loop, tokenised by its own tokenizer
         eos = model.generation_config.eos_token_id
         assert og_reply(out, question, 64) == [t for t in reference.tolist() if t != eos]
