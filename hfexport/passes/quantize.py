@@ -193,8 +193,15 @@ class _DynamicallyQuantizedLinears(Pass):
             x_scale = edit.call(operator.getitem, qparams, 0)
             x_zero = edit.call(operator.getitem, qparams, 1)
             x_q = edit.call(ops.quantize_affine.default, x, token_block, x_scale, x_zero, torch.int8, -128, 127)
-            x_dq = edit.call(ops.dequantize_affine.default, x_q, token_block, x_scale, x_zero, torch.int8, -128, 127)
-            w_dq = edit.call(ops.dequantize_affine.default, qdata, block, scale, zero_point, torch.int8, qmin, qmax)
+            # dequantized in the activations' dtype (torchao's default is float32): a float16
+            # program's linear takes float16 on both sides
+            act = x.meta["val"].dtype
+            x_dq = edit.call(
+                ops.dequantize_affine.default, x_q, token_block, x_scale, x_zero, torch.int8, -128, 127, act
+            )
+            w_dq = edit.call(
+                ops.dequantize_affine.default, qdata, block, scale, zero_point, torch.int8, qmin, qmax, act
+            )
             node.args = (x_dq, w_dq, *node.args[2:])
             result = node
             if minimums is not None:

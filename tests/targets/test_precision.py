@@ -182,23 +182,29 @@ def test_cli_dtype_auto_says_it_converts_and_refuses_bfloat16_onnx(tmp_path):
     assert ExportFolder(out).manifest.component("model").dtype == "float32"
 
 
-def test_a_bfloat16_checkpoint_exports_to_executorch_8da4w_in_float32_by_default(tmp_path):
+@pytest.mark.parametrize(("dtype", "program_dtype"), [("auto", "float32"), ("float16", "float16")])
+def test_a_bfloat16_checkpoint_exports_to_executorch_8da4w_in_float32_by_default(dtype, program_dtype, tmp_path):
     """Most checkpoints are bfloat16, and XNNPACK takes no bfloat16 node: ``auto`` exports such a
     model for ExecuTorch in float32, saying so, so its layers are delegated and 8da4w's quantized
     linears lower at all (before: ``to_edge`` failed, "expected scalar type torch.float32 but found
-    torch.bfloat16"). The runner program decodes what the float32 model generates."""
+    torch.bfloat16"). ``--dtype float16`` gives a float16 program, its linears dequantized in
+    float16 (before: the same failure). The runner program decodes."""
     folder = tmp_path / "bf16"
     model = build("tiny-llama").to(torch.bfloat16)
     model.save_pretrained(folder)
     out = tmp_path / "out"
     command = [sys.executable, "-m", "hfexport.cli", "export", folder, "--format", "executorch", "--generation"]
     done = subprocess.run(
-        [*map(str, command), "--quantize", "8da4w", "--out", out], capture_output=True, text=True, env={**os.environ}
+        [*map(str, command), "--quantize", "8da4w", "--dtype", dtype, "--out", out],
+        capture_output=True,
+        text=True,
+        env={**os.environ},
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "XNNPACK runs no bfloat16: exporting the bfloat16 model in float32 for executorch" in done.stderr
+    warned = "XNNPACK runs no bfloat16: exporting the bfloat16 model in float32 for executorch" in done.stderr
+    assert warned == (dtype == "auto")
     export = ExportFolder(out)
-    assert export.manifest.component("decode").dtype == "float32"
+    assert export.manifest.component("decode").dtype == program_dtype
     # every linear layer runs in XNNPACK: the program's own kernels hold no matmul nor dequantization
     program = deserialize_pte_binary((out / "model.pte").read_bytes())
     plan = next(p for p in getattr(program, "program", program).execution_plan if p.name == "forward")
