@@ -314,9 +314,9 @@ def run_for_generation(
         # exported again from one step
         last = index == len(selected) - 1
         try:
-            with weights_kept_if(_fixed_query_above_one if last else lambda captured: True):
+            with weights_kept_if(_query_fixed_above_one if last else lambda captured: True):
                 results[name] = run_targets(module, kwargs, component_configs, instruments, exporters)
-            if name == "decode" and _query_fixed_above_one(results[name]):
+            if name == "decode" and any(_query_fixed_above_one(r.captured) for r in results[name].values()):
                 # the loops feed a decode graph a prompt and then one token; one that takes exactly
                 # the merged sample's tokens could run neither (MiniMax's code fixes the length, as
                 # does a static export): the decode is exported again from one step
@@ -345,13 +345,8 @@ def _runtime_loops(configs: Sequence[Any]) -> list[str]:
     return found
 
 
-def _query_fixed_above_one(by_target: dict[str, PipelineResult]) -> bool:
+def _query_fixed_above_one(captured: Any) -> bool:
     """Whether a captured decode graph takes a fixed number of new tokens above one."""
-    return any(_fixed_query_above_one(result.captured) for result in by_target.values())
-
-
-def _fixed_query_above_one(captured: Any) -> bool:
-    """Whether a capture takes a fixed number of new tokens above one (see :func:`_query_fixed_above_one`)."""
     return captured is not None and any(
         axis.input == "input_ids" and axis.axis == 1 and not axis.dynamic and axis.size > 1
         for axis in captured.input_axes
