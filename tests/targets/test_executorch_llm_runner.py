@@ -3,7 +3,6 @@ subprocess: a wrong program aborts it) runs the ``.pte`` a decoder-only ``hfexpo
 --format executorch --generation`` writes, with the tokenizer beside it, giving eager's text;
 hfexport's own loop runs the same file token-exact with ``model.generate``."""
 
-import json
 import subprocess
 import sys
 
@@ -16,31 +15,37 @@ from hfexport import ExportFolder
 from hfexport.cli import main
 from hfexport.generation import greedy_decode
 
+# The runner prints each piece to stdout as it comes, as raw bytes. Its Python binding's
+# ``token_callback`` cannot be used here: it hands each piece over as ``str``, and a piece holding
+# part of a multi-byte character (Qwen3's random weights pick them) aborts ``generate`` with a
+# UnicodeDecodeError in pybind11's string conversion.
 RUN_TEXT_LLM_RUNNER = """
-import json, sys
+import ctypes, sys
 import executorch.extension.llm.custom_ops.custom_ops  # registers llama::custom_sdpa, as the runner's build has it
 from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
 pte, tokenizer, prompt, new = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-pieces = []
 runner = TextLLMRunner(pte, tokenizer)
-runner.generate(prompt, GenerationConfig(temperature=0.0, echo=False, max_new_tokens=new), token_callback=pieces.append)
-print("RESULT " + json.dumps("".join(pieces)))
+sys.stdout.write("<<pieces>>")
+sys.stdout.flush()
+runner.generate(prompt, GenerationConfig(temperature=0.0, echo=False, max_new_tokens=new))
+ctypes.CDLL(None).fflush(None)  # the runner's C stdio buffer, before Python's own
+sys.stdout.write("<<end>>")
 """
 
 
 def text_llm_runner(pte, tokenizer, prompt: str, new_tokens: int) -> str:
-    """``TextLLMRunner``'s greedy text for ``prompt`` (the runner prints its own logs too)."""
+    """``TextLLMRunner``'s greedy text for ``prompt``: the pieces it printed, decoded as one (a
+    character split between two tokens decodes as transformers' ``decode`` does)."""
     done = subprocess.run(
         [sys.executable, "-c", RUN_TEXT_LLM_RUNNER, str(pte), str(tokenizer), prompt, str(new_tokens)],
         capture_output=True,
-        text=True,
-        errors="replace",  # the runner prints each piece as it comes: a character split between two tokens
         timeout=600,
     )
-    found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and found, done.stderr[-2000:]
-    return json.loads(found[-1].removeprefix("RESULT "))
+    printed = done.stdout.partition(b"<<pieces>>")[2].partition(b"<<end>>")[0]
+    assert done.returncode == 0 and b"\nPyTorchObserver " in printed, done.stderr[-2000:]
+    # after the pieces the runner prints a newline and its statistics line
+    return printed.rpartition(b"\nPyTorchObserver ")[0].decode(errors="replace")
 
 
 @pytest.fixture(scope="module")
