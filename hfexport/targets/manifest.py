@@ -282,9 +282,35 @@ def captured_facts(captured: Captured | None) -> dict[str, Any]:
 
 def program_dtype(program: torch.export.ExportedProgram) -> str:
     """The floating-point dtype holding most of ``program``'s weight elements (parameters,
-    buffers, constants), as ``"bfloat16"``; ``""`` without floating-point weights."""
+    buffers, constants), as ``"bfloat16"``; ``""`` without floating-point weights. A weight the
+    program only ever casts (one the model stores narrower than it computes:
+    :class:`~hfexport.precision.ComputedIn`) counts in the dtype it is cast to."""
+    signature = program.graph_signature
+    names = {
+        **signature.inputs_to_parameters,
+        **signature.inputs_to_buffers,
+        **signature.inputs_to_lifted_tensor_constants,
+    }
+    cast_to: dict[str, torch.dtype] = {}
+    for node in program.graph.nodes:
+        users = [user for user in node.users if user.target != torch.ops.aten._assert_tensor_metadata.default]
+        if node.op == "placeholder" and node.name in names and users:
+            dtypes = {_cast_dtype(user) for user in users}
+            if len(dtypes) == 1 and isinstance(next(iter(dtypes)), torch.dtype):
+                cast_to[names[node.name]] = dtypes.pop()
     counts: dict[torch.dtype, int] = {}
-    for tensor in [*program.state_dict.values(), *program.constants.values()]:
+    for name, tensor in [*program.state_dict.items(), *program.constants.items()]:
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
+            dtype = cast_to.get(name, tensor.dtype)
+            counts[dtype] = counts.get(dtype, 0) + tensor.numel()
     return _dtype(torch.empty(0, dtype=max(counts, key=counts.__getitem__))) if counts else ""
+
+
+def _cast_dtype(node: torch.fx.Node) -> torch.dtype | None:
+    """The dtype ``node`` casts its input to, if it is a cast (``Tensor.to(dtype)``)."""
+    aten = torch.ops.aten
+    if node.target == aten.to.dtype:
+        return node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+    if node.target in (aten._to_copy.default, aten.to.dtype_layout):
+        return node.kwargs.get("dtype")
+    return None

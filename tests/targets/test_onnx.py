@@ -1,11 +1,13 @@
 """OnnxExporter end to end with a real ONNX Runtime session on the saved file."""
 
 import collections
+import contextlib
 import json
 import shlex
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
@@ -263,6 +265,29 @@ def test_save_writes_one_file_a_weight_at_a_time_that_loads_as_torch_onnx_saves_
     inputs = sample_inputs(model, 1, 5)
     got = OnnxRunner(tmp_path / "ours.onnx").run_dict(inputs)["logits"]
     torch.testing.assert_close(torch.from_numpy(got), main_output(eager(model, inputs)), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "row-major"])
+def test_a_weight_made_when_written_goes_out_in_slices_with_the_whole_conversion_s_bytes(layout, monkeypatch):
+    """A weight the model stores in bfloat16, written in float32 (transposed: a linear layer's)
+    a slice of rows at a time through reused buffers, has the bytes of the whole conversion; read,
+    it is the same tensor."""
+    import io
+
+    import hfexport.targets.onnx.initializers as initializers
+
+    monkeypatch.setattr(initializers, "_SLICE_BYTES", 3 * 40 * 4)  # three rows of 40 float32 values
+    stored = torch.randn(40, 16).to(torch.bfloat16)
+    source = stored.t() if layout == "transposed" else stored
+    want = source.to(torch.float32).contiguous().numpy()
+    tensor = initializers.MadeWhenWritten(source, torch.float32)
+    for reused in (False, True):
+        file = io.BytesIO()
+        with initializers.buffers_reused() if reused else contextlib.nullcontext():
+            tensor.tofile(file)
+            tensor.tofile(file)  # a second weight through the same buffers
+        assert file.getvalue() == want.tobytes() * 2
+    assert tensor.dtype == ir.DataType.FLOAT and np.array_equal(tensor.numpy(), want)
 
 
 class _WritesItsInput(torch.nn.Module):

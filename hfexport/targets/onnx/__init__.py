@@ -24,6 +24,7 @@ class OnnxTarget(Target):
     default_passes = passes.DEFAULT_PASSES
     dtypes = ("float32", "float16")  # ONNX Runtime's CPU kernels: none for bfloat16 (MatMul, RotaryEmbedding, …)
     runtime = "ONNX Runtime's CPU provider"
+    casts_stored_weights = True
 
     def runtime_loop(self, config: Any) -> str | None:
         return "ONNX Runtime GenAI" if config.genai else None

@@ -384,8 +384,12 @@ def to_onnx(
     the ONNX program's ``exported_program`` is that functional copy. torch.onnx's type promotion reads
     each node's recorded value instead of running the program again on fake tensors (the
     ``onnx_type_promotion_from_metadata`` patch). ``attention_windows`` (the capture's: each
-    windowed layer type's window) go in the model's metadata, for the passes that build masks."""
+    windowed layer type's window) go in the model's metadata, for the passes that build masks. A
+    weight the model stores narrower than it computes is cast when the file is written
+    (:func:`~hfexport.targets.onnx.initializers.stored_weights_made_when_written`)."""
     require_backend("onnx", ONNX_MODULES)
+    from hfexport.targets.onnx.initializers import stored_weights_made_when_written
+
     program = own_weights(program)
     # flags and None leaves are not ONNX inputs
     fed = [i.path for i in program_inputs(program, None) if i.constant is None and not i.none]
@@ -427,6 +431,7 @@ def to_onnx(
     for value, name in zip(graph.inputs, names, strict=True):
         value.name = name
     _name_outputs(onnx_program, [o.name for o in spec.outputs])
+    stored_weights_made_when_written(graph)
     if attention_windows:
         from hfexport.targets.onnx.genai import WINDOWS_KEY
 
@@ -496,10 +501,13 @@ def save_onnx(program: torch.onnx.ONNXProgram, path: Path) -> None:
     import onnx
     import onnx_ir as ir
 
+    from hfexport.targets.onnx.initializers import buffers_reused
+
     graph = program.model.graph
     initializers = dict(graph.initializers)
     if sum(v.const_value.nbytes for v in initializers.values() if v.const_value is not None) > _ONE_FILE_BYTES:
-        program.save(str(path))
+        with buffers_reused():
+            program.save(str(path))
         return
     graph.initializers.clear()  # restored below, as torch.onnx's own save does to leave them out
     try:

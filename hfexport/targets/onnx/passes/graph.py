@@ -97,11 +97,15 @@ def onnx_optimizer(program: Any) -> PassResult:
 def _strided_folds_made_when_read(graph: Any) -> None:
     """Each initializer that folding left as a strided numpy view (a linear layer's weight is the
     transpose of torch's: ``Transpose`` folds to a view of the parameter) as a tensor made when
-    read, in row-major order (torch's copy: blocked, on every thread). Written as they were, the
+    read, in row-major order, and written a slice of rows at a time
+    (:class:`~hfexport.targets.onnx.initializers.MadeWhenWritten`). Written as they were, the
     views went out an element at a time: saving a Llama-3.2-1B-shaped model took 17.5 s in
     ``ndarray.tofile``; copied all at once, they would double the weights in memory."""
     import numpy as np
     import onnx_ir as ir
+    import torch
+
+    from hfexport.targets.onnx.initializers import MadeWhenWritten
 
     for value in graph.initializers.values():
         tensor = value.const_value
@@ -109,16 +113,8 @@ def _strided_folds_made_when_read(graph: Any) -> None:
         if isinstance(tensor, ir.Tensor) and isinstance(array, np.ndarray) and not array.flags["C_CONTIGUOUS"]:
             if array.dtype.kind != "f" or array.ndim < 2:
                 continue
-            value.const_value = ir.LazyTensor(
-                functools.partial(_row_major, array), tensor.dtype, tensor.shape, name=tensor.name
-            )
-
-
-def _row_major(array: Any) -> Any:
-    import onnx_ir as ir
-    import torch
-
-    return ir.tensor(torch.from_numpy(array).contiguous().numpy())
+            source = torch.from_numpy(array)
+            value.const_value = MadeWhenWritten(source, source.dtype, name=tensor.name)
 
 
 def _exact_no_op_rules(rules: list[Any]) -> list[Any]:

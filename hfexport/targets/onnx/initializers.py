@@ -1,0 +1,131 @@
+"""ONNX initializers made from a torch tensor only when they are read or written: a weight the
+model stores narrower than it computes, in the program's dtype; a transposed weight, row-major.
+
+Written to a file, each goes out a slice of rows at a time through one buffer
+(:class:`MadeWhenWritten`), so a save never holds a second whole copy of a weight: Llama-3.2-1B's
+128,256 × 2,048 output projection alone is 1 GB in float32. Read (a pass that quantizes or packs
+weights), each is made whole, for as long as the reader holds it."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import onnx_ir as ir
+import torch
+
+# the rows copied and written at a time
+_SLICE_BYTES = 64 << 20
+_reused = threading.local()
+
+
+@contextlib.contextmanager
+def buffers_reused() -> Iterator[None]:
+    """Within it, every :class:`MadeWhenWritten` written by this thread copies its slices into the
+    same buffers. Fresh ones for each weight cost a page fault per page: saving Llama-3.2-1B in
+    float32 spent 4 s more in the kernel than writing whole arrays did."""
+    _reused.buffers = {}
+    try:
+        yield
+    finally:
+        del _reused.buffers
+
+
+def _buffer(slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    buffers = getattr(_reused, "buffers", None)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if buffers is None:
+        return torch.empty(shape, dtype=dtype)
+    if slot not in buffers or buffers[slot].numel() < nbytes:
+        buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+    return buffers[slot][:nbytes].view(dtype).view(shape)
+
+
+TORCH_DTYPES = {
+    ir.DataType.FLOAT: torch.float32,
+    ir.DataType.FLOAT16: torch.float16,
+    ir.DataType.DOUBLE: torch.float64,
+}
+
+
+class MadeWhenWritten(ir.LazyTensor):
+    """``source`` (a torch tensor of any strides and floating-point dtype) as a row-major tensor
+    of ``dtype``, made when read and written a slice of rows at a time."""
+
+    def __init__(self, source: torch.Tensor, dtype: torch.dtype, name: str | None = None) -> None:
+        self.source, self.torch_dtype = source.detach(), dtype
+        ir_dtype = next(key for key, value in TORCH_DTYPES.items() if value == dtype)
+        super().__init__(self._made, ir_dtype, ir.Shape(list(source.shape)), name=name)
+
+    def _made(self) -> ir.Tensor:
+        return ir.tensor(self.source.to(self.torch_dtype).contiguous().numpy())
+
+    def tofile(self, file: Any) -> None:
+        rows = self.source.reshape(1) if self.source.dim() == 0 else self.source
+        row_bytes = max(1, rows[0].numel() * torch.empty((), dtype=self.torch_dtype).element_size())
+        step = max(1, _SLICE_BYTES // row_bytes)
+        buffer = _buffer("rows", (min(step, len(rows)), *rows.shape[1:]), self.torch_dtype)
+        # a transposed matrix: its rows are the columns of a row-major one, converted a block of
+        # columns at a time and transposed in the new dtype (converting and transposing in one
+        # copy runs torch's slow strided path: 3 times the CPU time)
+        columns = rows.t() if rows.dim() == 2 and rows.stride(0) == 1 and rows.stride(1) != 1 else None
+        converted = _buffer("columns", (len(columns), step), self.torch_dtype) if columns is not None else None
+        for start in range(0, len(rows), step):
+            part = buffer[: min(step, len(rows) - start)]
+            if columns is None:
+                part.copy_(rows[start : start + step])
+            else:
+                block = converted[:, : len(part)]
+                block.copy_(columns[:, start : start + step])
+                part.copy_(block.t())
+            file.write(memoryview(part.numpy()).cast("B"))
+
+
+def stored_weights_made_when_written(graph: ir.Graph) -> int:
+    """Fold each ``Cast`` of a floating-point initializer (a weight the model stores narrower than
+    it computes: :class:`~hfexport.precision.ComputedIn`), and a ``Transpose`` of that ``Cast``,
+    into an initializer of the cast's dtype that is converted (and transposed) when written
+    (:class:`MadeWhenWritten`). The number of casts folded.
+
+    onnxscript's optimizer would leave a large weight's ``Cast`` for ONNX Runtime to run at every
+    step (it folds no input over 8,192 elements), or fold it whole, in memory."""
+    folded = 0
+    for node in list(graph):
+        stored = node.inputs[0] if node.op_type == "Cast" and node.domain == "" and node.inputs else None
+        source = getattr(getattr(stored, "const_value", None), "raw", None)
+        if stored is None or not stored.is_initializer() or stored.is_graph_input():
+            continue
+        dtype = TORCH_DTYPES.get(ir.DataType(node.attributes.get_int("to")))
+        if not isinstance(source, torch.Tensor) or not source.is_floating_point() or dtype is None:
+            continue
+        name = re.sub(r"\.parametrizations\.(\w+)\.original$", r".\1", stored.name or "weight")
+        cast = node.outputs[0]
+        for consumer in {use.node for use in cast.uses()}:
+            perm = consumer.attributes.get_ints("perm") if consumer.op_type == "Transpose" else None
+            if consumer.domain != "" or perm is None or len(perm) != source.dim():
+                continue
+            made = _initializer(graph, f"{name}.T", MadeWhenWritten(source.permute(*perm), dtype))
+            consumer.outputs[0].replace_all_uses_with(made, replace_graph_outputs=True)
+            graph.remove(consumer, safe=True)
+        if cast.uses() or cast.is_graph_output():
+            made = _initializer(graph, name, MadeWhenWritten(source, dtype))
+            cast.replace_all_uses_with(made, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        if not stored.uses():
+            graph.initializers.pop(stored.name)
+        folded += 1
+    return folded
+
+
+def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:
+    unique, n = name, 1
+    while unique in graph.initializers:
+        unique, n = f"{name}_{n}", n + 1
+    tensor.name = unique
+    value = ir.Value(name=unique, shape=tensor.shape, type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value
