@@ -87,38 +87,47 @@ class MadeWhenWritten(ir.LazyTensor):
 
 def stored_weights_made_when_written(graph: ir.Graph) -> int:
     """Fold each ``Cast`` of a floating-point initializer (a weight the model stores narrower than
-    it computes: :class:`~hfexport.precision.ComputedIn`), and a ``Transpose`` of that ``Cast``,
-    into an initializer of the cast's dtype that is converted (and transposed) when written
+    it computes: :class:`~hfexport.precision.ComputedIn`), and a ``Transpose`` that is its only
+    reader, into an initializer of the cast's dtype that is converted (and transposed) when written
     (:class:`MadeWhenWritten`). The number of casts folded.
 
     onnxscript's optimizer would leave a large weight's ``Cast`` for ONNX Runtime to run at every
     step (it folds no input over 8,192 elements), or fold it whole, in memory."""
-    folded = 0
-    for node in list(graph):
+    casts: dict[tuple[str, torch.dtype], list[ir.Node]] = {}
+    for node in graph:
         stored = node.inputs[0] if node.op_type == "Cast" and node.domain == "" and node.inputs else None
         source = getattr(getattr(stored, "const_value", None), "raw", None)
         if stored is None or not stored.is_initializer() or stored.is_graph_input():
             continue
         dtype = TORCH_DTYPES.get(ir.DataType(node.attributes.get_int("to")))
-        if not isinstance(source, torch.Tensor) or not source.is_floating_point() or dtype is None:
-            continue
-        name = re.sub(r"\.parametrizations\.(\w+)\.original$", r".\1", stored.name or "weight")
-        cast = node.outputs[0]
-        for consumer in {use.node for use in cast.uses()}:
-            perm = consumer.attributes.get_ints("perm") if consumer.op_type == "Transpose" else None
-            if consumer.domain != "" or perm is None or len(perm) != source.dim():
-                continue
+        if isinstance(source, torch.Tensor) and source.is_floating_point() and dtype is not None:
+            casts.setdefault((stored.name, dtype), []).append(node)
+    for (stored_name, dtype), nodes in casts.items():
+        stored = graph.initializers[stored_name]
+        source = stored.const_value.raw
+        # one cast of each weight (a tied weight is cast by each of its modules)
+        cast = nodes[0].outputs[0]
+        for other in nodes[1:]:
+            other.outputs[0].replace_all_uses_with(cast, replace_graph_outputs=True)
+            graph.remove(other, safe=True)
+        name = re.sub(r"\.parametrizations\.(\w+)\.original$", r".\1", stored_name)
+        consumers = {use.node for use in cast.uses()}
+        # a transpose that is the weight's only reader, as onnxscript folds one: a weight read
+        # both ways (an embedding table tied to the output projection) is written once, and
+        # ONNX Runtime folds its transpose when it loads the file
+        transpose = consumers.pop() if len(consumers) == 1 and not cast.is_graph_output() else None
+        perm = transpose.attributes.get_ints("perm") if transpose and transpose.op_type == "Transpose" else None
+        if transpose is not None and transpose.domain == "" and perm is not None and len(perm) == source.dim():
             made = _initializer(graph, f"{name}.T", MadeWhenWritten(source.permute(*perm), dtype))
-            consumer.outputs[0].replace_all_uses_with(made, replace_graph_outputs=True)
-            graph.remove(consumer, safe=True)
+            transpose.outputs[0].replace_all_uses_with(made, replace_graph_outputs=True)
+            graph.remove(transpose, safe=True)
         if cast.uses() or cast.is_graph_output():
             made = _initializer(graph, name, MadeWhenWritten(source, dtype))
             cast.replace_all_uses_with(made, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        graph.remove(nodes[0], safe=True)
         if not stored.uses():
-            graph.initializers.pop(stored.name)
-        folded += 1
-    return folded
+            graph.initializers.pop(stored_name)
+    return len(casts)
 
 
 def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:
