@@ -200,11 +200,12 @@ def converted_in_place(model: torch.nn.Module, dtype: torch.dtype, keep_stored: 
     line's).
 
     With ``keep_stored`` (every target it is exported for casts stored weights: ONNX), a weight
-    that ``dtype`` holds exactly (a bfloat16 or float16 checkpoint in float32) stays as it was
-    read, memory-mapped, and is computed in ``dtype`` (:class:`ComputedIn`): the program casts it,
-    and the target converts each weight as it writes it, as ONNX Runtime GenAI's builder converts
-    a layer at a time. Holding the float32 weights from the capture to the save, a
-    Llama-3.2-1B-shaped checkpoint's ONNX export peaked at 5.4 GB; it now peaks at 4.0 GB.
+    that ``dtype`` holds exactly (a bfloat16 or float16 checkpoint in float32), but for embedding
+    tables, stays as it was read, memory-mapped, and is computed in ``dtype``
+    (:class:`ComputedIn`): the program casts it, and the target converts each weight as it
+    writes it, as ONNX Runtime GenAI's builder converts a layer at a time. Holding the float32
+    weights from the capture to the save, a Llama-3.2-1B-shaped checkpoint's ONNX export peaked
+    at 5.4 GB; it now peaks at 4.0 GB.
 
     Any other tensor is converted one at a time, the old one's memory going as the new one is
     made; for weights read from a memory-mapped checkpoint, the pages read are paged out too (the
@@ -213,9 +214,12 @@ def converted_in_place(model: torch.nn.Module, dtype: torch.dtype, keep_stored: 
     from torch.nn.utils import parametrize
 
     with torch.no_grad():
+        # an embedding table is converted: cast whole at every eager forward (twice when tied to
+        # the output projection) to read a few rows, it was half of the casts' time
+        tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
         for module in list(model.modules()):
             for name, tensor in list(module.named_parameters(recurse=False)):
-                if keep_stored and tensor.is_floating_point() and _widens_exactly(tensor.dtype, dtype):
+                if keep_stored and id(tensor) not in tables and _widens_exactly(tensor.dtype, dtype):
                     parametrize.register_parametrization(module, name, ComputedIn(dtype), unsafe=True)
         stored = _stored(model)
         for tensor in [*model.parameters(), *model.buffers()]:
