@@ -239,12 +239,11 @@ def test_the_command_line_converts_its_own_model_in_place_with_the_checkpoint_s_
 def test_for_onnx_the_command_line_keeps_the_bfloat16_weights_as_read_and_writes_them_in_float32(tmp_path):
     """Exporting a bfloat16 checkpoint to ONNX (float32: its CPU runtime has no bfloat16), the
     command line's model keeps its weights as read, memory-mapped (but for the embedding table),
-    and computes in float32; the
-    ONNX lowering writes each weight converted as it saves it. A Llama-3.2-1B-shaped checkpoint's
-    export peaked at 5.4 GB holding its float32 weights from the capture to the save, now 4.0
-    GB. The folder's weights are the checkpoint's, converted (no bfloat16 initializer, no cast of
-    one left for ONNX Runtime; the tied embedding table once), and its logits are the float32
-    model's."""
+    and computes in float32; the ONNX lowering writes each weight converted as it saves it. A
+    Llama-3.2-1B-shaped checkpoint's export peaked at 5.3 GiB holding its float32 weights from the
+    capture to the save, now 3.5. The folder's weights are the checkpoint's, converted (no
+    bfloat16 initializer, no cast of one left for ONNX Runtime; the tied embedding table once),
+    and its logits are the float32 model's."""
     import numpy as np
     import onnx
     import onnxruntime as ort
