@@ -201,7 +201,7 @@ def converted_in_place(model: torch.nn.Module, dtype: torch.dtype, keep_stored: 
 
     With ``keep_stored`` (every target it is exported for casts stored weights: ONNX), a weight
     that ``dtype`` holds exactly (a bfloat16 or float16 checkpoint in float32), but for embedding
-    tables, stays as it was read, memory-mapped, and is computed in ``dtype``
+    tables and the first parameter, stays as it was read, memory-mapped, and is computed in ``dtype``
     (:class:`ComputedIn`): the program casts it, and the target converts each weight as it
     writes it, as ONNX Runtime GenAI's builder converts a layer at a time. Holding the float32
     weights from the capture to the save, a Llama-3.2-1B-shaped checkpoint's ONNX export peaked
@@ -214,12 +214,15 @@ def converted_in_place(model: torch.nn.Module, dtype: torch.dtype, keep_stored: 
     from torch.nn.utils import parametrize
 
     with torch.no_grad():
-        # an embedding table is converted: cast whole at every eager forward (twice when tied to
-        # the output projection) to read a few rows, it was half of the casts' time
-        tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        # converted: an embedding table (cast whole at every eager forward, twice when tied to the
+        # output projection, to read a few rows: half of the casts' time), and the first
+        # floating-point parameter, whose dtype transformers' ``PreTrainedModel.dtype`` reports
+        # (models cast their inputs and masks to it)
+        first = next((t for t in model.parameters() if t.is_floating_point()), None)
+        converted = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | {id(first)}
         for module in list(model.modules()):
             for name, tensor in list(module.named_parameters(recurse=False)):
-                if keep_stored and id(tensor) not in tables and _widens_exactly(tensor.dtype, dtype):
+                if keep_stored and id(tensor) not in converted and _widens_exactly(tensor.dtype, dtype):
                     parametrize.register_parametrization(module, name, ComputedIn(dtype), unsafe=True)
         stored = _stored(model)
         for tensor in [*model.parameters(), *model.buffers()]:

@@ -259,6 +259,7 @@ def test_for_onnx_the_command_line_keeps_the_bfloat16_weights_as_read_and_writes
     expected = AutoModelForCausalLM.from_pretrained(folder).to(torch.float32)
     model = converted_in_place(AutoModelForCausalLM.from_pretrained(folder), torch.float32, keep_stored=True)
     assert model_dtype(model) == torch.float32 and model.config.dtype == torch.float32
+    assert model.dtype == torch.float32  # transformers' own, from the first parameter: models cast to it
     assert model.model.layers[0].mlp.down_proj.parametrizations.weight.original.dtype == torch.bfloat16
     # the embedding table is converted (an eager forward would cast it whole to read a few rows)
     assert (
