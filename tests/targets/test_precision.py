@@ -293,3 +293,18 @@ def test_for_onnx_the_command_line_keeps_the_bfloat16_weights_as_read_and_writes
     feeds = {"input_ids": ids.numpy(), "attention_mask": np.ones_like(ids.numpy())}
     got = session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})[0]
     np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-5)
+
+
+def test_a_model_kept_stored_reports_the_dtype_it_computes_in_from_its_first_parameter():
+    """transformers' ``PreTrainedModel.dtype`` is its first floating-point parameter's, and models
+    cast their inputs and masks to it: kept as read, a bias-less first linear layer's bfloat16
+    weight would make a float32 model cast its inputs to bfloat16. The first parameter is
+    converted; the others stay stored."""
+    from hfexport.precision import converted_in_place, model_dtype
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    converted_in_place(model, torch.float32, keep_stored=True)
+    first = next(p for p in model.parameters() if p.is_floating_point())
+    assert first.dtype == torch.float32 and model_dtype(model) == torch.float32
+    assert model[1].parametrizations.weight.original.dtype == torch.bfloat16
+    assert model(torch.randn(3, 4)).dtype == torch.float32
