@@ -94,6 +94,39 @@ class _Builder:
         return self("Constant", value=ir.tensor(array))
 
 
+def _attention_over_written_slots(graph: Any, total: Any) -> None:
+    """Each ``GroupQueryAttention`` attends over the ``total`` slots written so far (the
+    attention mask's width), as ONNX Runtime GenAI's builder has it, instead of the whole cache,
+    its bias cut to them (the slots after are never visible). Over SmolLM2's whole cache of 256,
+    int4 decoded at 99.6 tok/s in ``og.Generator`` against 131.2 for the builder's folder, and
+    131.2 cut to the written slots (the same tokens; six alternating rounds, the machine loaded)."""
+    import numpy as np
+    import onnx_ir as ir
+
+    attentions = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    if not attentions:
+        return
+    op = _Builder()
+    written = op("Squeeze", op("Cast", total, to=ir.DataType.INT32))
+    zero, last = op.constant(np.array([0], np.int64)), op.constant(np.array([3], np.int64))
+    graph.insert_before(next(iter(graph)), op.nodes)
+    cut: dict[Any, Any] = {}
+    for node in attentions:
+        node.replace_input_with(6, written)
+        bias = node.inputs[10] if len(node.inputs) > 10 else None
+        if bias is None:
+            continue
+        if bias not in cut:
+            piece = ir.node("Slice", [bias, zero, total, last])
+            producer = bias.producer()
+            if producer is None:
+                graph.insert_before(next(iter(graph)), piece)
+            else:
+                graph.insert_after(producer, piece)
+            cut[bias] = piece.outputs[0]
+        node.replace_input_with(10, cut[bias])
+
+
 def _derived_mask(op: _Builder, valid: Any, slots: Any, cache_len: int, window: int | None, chunk: int | None) -> Any:
     """``decode_mask``'s rule, in-graph: bool ``[batch, 1, S, C]`` from ``valid`` [batch, C] and
     the new tokens' ``slots`` [S]. Windows and chunks count a row's tokens, not columns: ORT
@@ -194,6 +227,7 @@ def genai_io(program: Any) -> Any:
     after_ids = kept.index(ids) + 1
     graph.inputs.extend([*kept[:after_ids], mask, *kept[after_ids:]])
     graph.insert_before(next(iter(graph)), op.nodes)
+    _attention_over_written_slots(graph, total)
 
     counter_outputs = set()
     for index, value in enumerate(list(graph.outputs)):
