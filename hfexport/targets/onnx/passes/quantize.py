@@ -78,7 +78,7 @@ class OnnxInt4Weights(Pass):
 
     The defaults are close to ONNX Runtime GenAI's model builder's form (it takes symmetric blocks),
     which its runtime and users compare against. SmolLM2-135M-Instruct in ``og.Generator``, 64 tokens
-    (``benchmarks/results/runtime-loops/README.md``): 201.5 tok/s against the builder's 217.4 (the
+    (``benchmarks/results/runtime-loops/README.md``): 212.5 tok/s against the builder's 221.2 (the
     form below: 0.67×), teacher-forced top-1 against fp32 78.1% (the builder's folder 73.4%), "The
     capital of France is Paris, France.". Three options trade speed for exactness:
 
