@@ -118,11 +118,8 @@ def _attention_over_written_slots(graph: Any, total: Any) -> None:
             continue
         if bias not in cut:
             piece = ir.node("Slice", [bias, zero, total, last])
-            producer = bias.producer()
-            if producer is None:
-                graph.insert_before(next(iter(graph)), piece)
-            else:
-                graph.insert_after(producer, piece)
+            # after the bias, or (a bias that is no node's output) after the nodes made above
+            graph.insert_after(bias.producer() or op.nodes[-1], piece)
             cut[bias] = piece.outputs[0]
         node.replace_input_with(10, cut[bias])
 

@@ -37,7 +37,7 @@ def buffers_reused() -> Iterator[None]:
 
 def _buffer(slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     buffers = getattr(_reused, "buffers", None)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if buffers is None:
         return torch.empty(shape, dtype=dtype)
     if slot not in buffers or buffers[slot].numel() < nbytes:
@@ -66,7 +66,7 @@ class MadeWhenWritten(ir.LazyTensor):
 
     def tofile(self, file: Any) -> None:
         rows = self.source.reshape(1) if self.source.dim() == 0 else self.source
-        row_bytes = max(1, rows[0].numel() * torch.empty((), dtype=self.torch_dtype).element_size())
+        row_bytes = max(1, rows[0].numel() * self.torch_dtype.itemsize)
         step = max(1, _SLICE_BYTES // row_bytes)
         buffer = _buffer("rows", (min(step, len(rows)), *rows.shape[1:]), self.torch_dtype)
         # a transposed matrix: its rows are the columns of a row-major one, converted a block of
@@ -85,11 +85,11 @@ class MadeWhenWritten(ir.LazyTensor):
             file.write(memoryview(part.numpy()).cast("B"))
 
 
-def stored_weights_made_when_written(graph: ir.Graph) -> int:
+def stored_weights_made_when_written(graph: ir.Graph) -> None:
     """Fold each ``Cast`` of a floating-point initializer (a weight the model stores narrower than
     it computes: :class:`~hfexport.precision.ComputedIn`), and a ``Transpose`` that is its only
     reader, into an initializer of the cast's dtype that is converted (and transposed) when written
-    (:class:`MadeWhenWritten`). The number of casts folded.
+    (:class:`MadeWhenWritten`).
 
     onnxscript's optimizer would leave a large weight's ``Cast`` for ONNX Runtime to run at every
     step (it folds no input over 8,192 elements), or fold it whole, in memory."""
@@ -127,7 +127,6 @@ def stored_weights_made_when_written(graph: ir.Graph) -> int:
         graph.remove(nodes[0], safe=True)
         if not stored.uses():
             graph.initializers.pop(stored_name)
-    return len(casts)
 
 
 def _initializer(graph: ir.Graph, name: str, tensor: ir.TensorProtocol) -> ir.Value:
