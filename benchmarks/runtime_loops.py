@@ -21,16 +21,18 @@ and, for ExecuTorch, optimum-executorch's ``optimum-cli export executorch … --
         optimum==2.0.0 accelerate optimum-executorch==1.1.0
  Per export: wall seconds, CPU seconds (user + system) and peak RSS of the child (``os.wait4``).
 
-Then every folder is run in its runtime's own loop, in this one process, in alternating rounds (the machine is shared:
-round r of every variant runs before round r + 1 of any): ONNX folders by ``og.Model`` / ``og.Generator`` (greedy),
-``.pte`` programs by ExecuTorch's ``TextLLMRunner`` (temperature 0) with the ``tokenizer.json`` beside them. The prompt
-is the checkpoint's chat template around ``STORY``, which every variant answers at length (ONNX Runtime GenAI is held
-to the full count; ``results.json`` records how many tokens each run timed); per run: time to first token (the prompt
-in, one token out) and decode tokens/s (the later tokens over the time from the first to the last). The answer column is
-each variant's reply to ``QUESTION``. For ONNX folders also the teacher-forced
-top-1: the prompt and transformers' greedy fp32 continuation fed at once, how often the argmax is the next token. The
-table gives the medians over the rounds and each variant's answer; ``results.json`` every figure; ``decode.png`` the
-decode speeds as a chart.
+Then every folder is run in its runtime's own loop, in alternating rounds (the machine is shared: round r of every
+variant runs before round r + 1 of any), each run in a fresh process and the order rotated each round (in one process
+a variant's speed depended on which folders were loaded before it): ONNX folders by ``og.Model`` / ``og.Generator``
+(greedy), ``.pte`` programs by ExecuTorch's ``TextLLMRunner`` (temperature 0) with the ``tokenizer.json`` beside them.
+A run first answers ``QUESTION`` (the answer column; also the warm-up), then the checkpoint's chat template around
+``STORY``, which every variant answers at length (ONNX Runtime GenAI is held to the full count; ``results.json``
+records how many tokens each run timed), is timed: time to first token (the prompt in, one token out) and decode
+tokens/s (the later tokens over the time from the first to the last). For ONNX folders also how near they stay to
+transformers' fp32 model, teacher-forced over three prompts and transformers' greedy continuations of 200 tokens
+each, fed at once: how often the argmax is the next token (top-1) and the mean KL divergence from transformers'
+next-token distribution. The table gives the medians over the rounds and each variant's answer; ``results.json``
+every figure; ``decode.png`` the decode speeds as a chart.
 """
 
 from __future__ import annotations
@@ -57,7 +59,12 @@ HFEXPORT = {
     "onnx:int4": ["--format", "onnx", "--quantize", "int4"],
     "executorch:fp32": ["--format", "executorch"],
     "executorch:8da4w": ["--format", "executorch", "--quantize", "8da4w"],
+    # not run by default: the int4 default's blocks of 64 against the blocks of 32 it had before 2026-12-07
+    "onnx:int4-blocks32": ["--format", "onnx", "--quantize", "int4"],
 }
+DEFAULT_VARIANTS = ("onnx:fp32", "onnx:int4", "executorch:fp32", "executorch:8da4w")
+CONFIGS = {"onnx:int4-blocks32": {"quantize_group_size": 32}}  # written to a --config file
+QUALITY_TOKENS = 200  # per quality prompt; the prompt and these fit the default cache of 256
 BUILDER = {"onnx:fp32": "fp32", "onnx:int4": "int4"}
 # optimum-executorch's recipe for ExecuTorch's LLM runner: its custom SDPA and KV cache (and 8da4w linears)
 OPTIMUM = {
@@ -124,6 +131,10 @@ def export_all(args: argparse.Namespace, work: Path, checkpoint: Path) -> list[d
         out = work / f"hfexport-{variant.replace(':', '-')}"
         command = [sys.executable, "-m", "hfexport.cli", "export", str(checkpoint), *HFEXPORT[variant]]
         command += ["--generation", "--max-cache-len", str(args.cache_len), "--out", str(out), "--overwrite"]
+        if variant in CONFIGS:
+            config = work / f"{out.name}.config.json"
+            config.write_text(json.dumps(CONFIGS[variant]))
+            command += ["--config", str(config)]
         print(f"export {variant} (hfexport) ...", file=sys.stderr, flush=True)
         rows.append(
             {
@@ -176,17 +187,28 @@ class GenAiLoop:
         self.model = og.Model(folder)
         self.tokenizer = og.Tokenizer(self.model)
 
-    def top1(self, ids: list[int], prompt_len: int) -> float:
-        """Teacher-forced top-1: how often the argmax after each of ``ids[prompt_len - 1 : -1]`` (the prompt and a
-        reference continuation, fed at once) is the reference's next token."""
+    def quality(self, references: list[tuple[list[int], int, Any]]) -> dict[str, float]:
+        """Teacher-forced, over each reference (a prompt and transformers' greedy fp32 continuation, fed at once):
+        how often the argmax after a continuation's token is the next one (``teacher_forced_top1``), and the mean
+        KL divergence from transformers' next-token distribution to this folder's (``kl_from_eager``)."""
         import numpy as np
 
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(max_length=len(ids) + 1, do_sample=False)
-        generator = self.og.Generator(self.model, params)
-        generator.append_tokens(np.array(ids, dtype=np.int32))
-        predicted = np.asarray(generator.get_output("logits"))[0, prompt_len - 1 : len(ids) - 1].argmax(-1)
-        return float((predicted == np.array(ids[prompt_len:])).mean())
+        hits, divergences = [], []
+        for ids, prompt_len, eager in references:
+            params = self.og.GeneratorParams(self.model)
+            params.set_search_options(max_length=len(ids) + 1, do_sample=False)
+            generator = self.og.Generator(self.model, params)
+            generator.append_tokens(np.array(ids, dtype=np.int32))
+            logits = np.asarray(generator.get_output("logits"))[0, prompt_len - 1 : len(ids) - 1].astype(np.float64)
+            shifted = logits - logits.max(-1, keepdims=True)
+            log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+            expected = eager[prompt_len - 1 : len(ids) - 1]
+            hits.extend(logits.argmax(-1) == np.array(ids[prompt_len:]))
+            divergences.extend((np.exp(expected) * (expected - log_probs)).sum(-1))
+        return {
+            "teacher_forced_top1": round(float(np.mean(hits)), 3),
+            "kl_from_eager": round(float(np.mean(divergences)), 4),
+        }
 
     def __call__(self, question: str, new_tokens: int) -> tuple[float, float, str, int]:
         og = self.og
@@ -242,42 +264,65 @@ class RunnerLoop:
         return times[0] - started, decode, "".join(pieces), len(times)
 
 
-def eager_reply(checkpoint: Path, new_tokens: int) -> tuple[list[int], int]:
-    """The prompt's ids and transformers' greedy continuation (``model.generate``, fp32), and the prompt's length."""
+QUALITY_PROMPTS = (STORY, "Explain how a refrigerator works, step by step.", "List ten facts about the Moon.")
+
+
+def eager_references(checkpoint: Path, new_tokens: int) -> list[tuple[list[int], int, Any]]:
+    """Per quality prompt: the prompt's ids and transformers' greedy fp32 continuation (``model.generate``), the
+    prompt's length, and transformers' log-probabilities after each of those tokens."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    messages = [{"role": "user", "content": QUESTION}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    with torch.no_grad():
-        ids = model.generate(**prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    return ids[0].tolist(), prompt["input_ids"].shape[1]
+    references = []
+    for question in QUALITY_PROMPTS:
+        messages = [{"role": "user", "content": question}]
+        prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
+        with torch.no_grad():
+            ids = model.generate(**prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            log_probs = torch.log_softmax(model(ids).logits[0].float(), -1).numpy()
+        references.append((ids[0].tolist(), prompt["input_ids"].shape[1], log_probs))
+    return references
+
+
+def one_run(kind: str, folder: str, tokenizer: str | None, new_tokens: int) -> dict[str, Any]:
+    """In a fresh process: the loop's answer to ``QUESTION`` (its warm-up), then one timed run over ``STORY``."""
+    loop = GenAiLoop(folder) if kind == "onnx" else RunnerLoop(folder, tokenizer)
+    answer = loop(QUESTION, new_tokens)[2]
+    first, decode, _, tokens = loop(STORY, new_tokens)
+    return {
+        "first_token_seconds": round(first, 4),
+        "decode_tokens_per_second": round(decode, 2),
+        "tokens": tokens,
+        "answer": answer,
+    }
 
 
 def decode_rounds(rows: list[dict[str, Any]], rounds: int, new_tokens: int, checkpoint: Path) -> None:
-    loops = {
-        id(row): GenAiLoop(row["folder"])
-        if row["variant"].startswith("onnx")
-        else RunnerLoop(row["folder"], row.get("tokenizer"))
-        for row in rows
-    }
+    """Each run in its own process, the variants in turns, the order rotated each round: in one process the
+    variants loaded later ran up to 5% faster or slower than when loaded first (the same folders, swapped; SmolLM2
+    int4 in ``og.Generator``), which favoured whichever the order did."""
     for row in rows:
         row["runs"] = []
-    for row in rows:  # warms each up, and its answer
-        row["answer"] = loops[id(row)](QUESTION, new_tokens)[2]
     for index in range(rounds):
-        for row in rows:
-            first, decode, _, tokens = loops[id(row)](STORY, new_tokens)
-            row["runs"].append(
-                {"first_token_seconds": round(first, 4), "decode_tokens_per_second": round(decode, 2), "tokens": tokens}
-            )
+        for row in rows[index % len(rows) :] + rows[: index % len(rows)]:
+            kind = "onnx" if row["variant"].startswith("onnx") else "executorch"
+            command = [sys.executable, __file__, "--one", kind, row["folder"], "--new-tokens", str(new_tokens)]
+            command += ["--tokenizer", row["tokenizer"]] if row.get("tokenizer") else []
+            found = subprocess.run(command, capture_output=True, text=True)
+            if found.returncode != 0:
+                raise RuntimeError(f"{row['variant']} ({row['exporter']}) failed:\n{found.stderr[-2000:]}")
+            run = json.loads(found.stdout.strip().splitlines()[-1])
+            row["answer"] = run.pop("answer")
+            row["runs"].append(run)
         print(f"round {index + 1}/{rounds} done", file=sys.stderr, flush=True)
-    reference, prompt_len = eager_reply(checkpoint, new_tokens)
+    references = eager_references(checkpoint, QUALITY_TOKENS)
     for row in rows:
-        if isinstance(loops[id(row)], GenAiLoop):
-            row["teacher_forced_top1"] = round(loops[id(row)].top1(reference, prompt_len), 3)
+        if row["variant"].startswith("onnx"):
+            row.update(GenAiLoop(row["folder"]).quality(references))
     for row in rows:
         row["first_token_seconds"] = statistics.median(r["first_token_seconds"] for r in row["runs"])
         row["decode_tokens_per_second"] = statistics.median(r["decode_tokens_per_second"] for r in row["runs"])
@@ -286,17 +331,18 @@ def decode_rounds(rows: list[dict[str, Any]], rounds: int, new_tokens: int, chec
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| variant | exporter | export wall s | export CPU s | export peak RSS MiB | runtime loop | first token ms "
-        "| decode tok/s | teacher-forced top-1 | answer |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| decode tok/s | teacher-forced top-1 | KL from eager | answer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         loop = "og.Generator" if row["variant"].startswith("onnx") else "TextLLMRunner"
         answer = " ".join(row["answer"].split())[:70].replace("|", "\\|")
         top1 = f"{row['teacher_forced_top1']:.1%}" if "teacher_forced_top1" in row else "–"
+        kl = f"{row['kl_from_eager']:.3f}" if "kl_from_eager" in row else "–"
         lines.append(
             f"| {row['variant']} | {row['exporter']} | {row['wall_seconds']} | {row['cpu_seconds']} | "
             f"{row['peak_rss_mib']} | {loop} | {row['first_token_seconds'] * 1000:.0f} | "
-            f"{row['decode_tokens_per_second']:.1f} | {top1} | {answer} |"
+            f"{row['decode_tokens_per_second']:.1f} | {top1} | {kl} | {answer} |"
         )
     return "\n".join(lines)
 
@@ -320,7 +366,9 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoint", default="smollm2-135m-instruct")
-    parser.add_argument("--variants", default=",".join(HFEXPORT), help=f"comma-separated, of {', '.join(HFEXPORT)}")
+    parser.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {', '.join(HFEXPORT)}"
+    )
     parser.add_argument("--builder-python", help="the Python of a venv with onnxruntime-genai's builder (torch 2.13.0)")
     parser.add_argument("--optimum-python", help="the Python of a venv with optimum-executorch (torch 2.13.0)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -328,7 +376,12 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--cache-len", type=int, default=256)
     parser.add_argument("--out", default="benchmarks/results/runtime-loops")
+    parser.add_argument("--one", nargs=2, metavar=("KIND", "FOLDER"), help=argparse.SUPPRESS)  # one timed run
+    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one_run(*args.one, args.tokenizer, args.new_tokens)))
+        return 0
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in args.variants if v not in HFEXPORT]
     if unknown:

@@ -99,7 +99,7 @@ def test_int4_blocks_hold_weights_already_on_a_4bit_lattice_exactly(minimums, er
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(on_a_4bit_lattice(module.weight))
     # fp32 compute (accuracy level 1) and every weight in 4 bits: the weights' error alone
-    quantize = OnnxInt4Weights(accuracy_level=1, minimums=minimums, int8_output=False)
+    quantize = OnnxInt4Weights(group_size=32, accuracy_level=1, minimums=minimums, int8_output=False)  # Q4_1's
     inputs = sample_inputs(model)
     result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter().target.default_passes, quantize]))
     save_export(tmp_path, {"model": result})
@@ -124,7 +124,7 @@ def test_a_tied_output_projection_goes_to_4_bits_with_its_top_logits_recomputed_
     reference = eager(model, inputs).logits
     errors = {}
     for top in (8, 0):
-        quantize = OnnxInt4Weights(accuracy_level=1, minimums=True, int8_output=False, rescore_top=top)
+        quantize = OnnxInt4Weights(group_size=32, accuracy_level=1, minimums=True, int8_output=False, rescore_top=top)
         result = OnnxExporter().run(model, inputs, OnnxConfig(passes=[*Exporter().target.default_passes, quantize]))
         (record,) = [p for s in result.records for p in s.children if p.name == "onnx_int4_weights"]
         ops = [node.op_type for node in result.program.model.graph]

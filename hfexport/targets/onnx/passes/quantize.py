@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from hfexport.configs import ONNX_INT4_GROUP_SIZE
 from hfexport.errors import ConfigError
 from hfexport.passes.quantize import checked_rescore_top
 from hfexport.passes.top_logits import TOP
@@ -34,6 +35,7 @@ from hfexport.targets.onnx.passes.graph import take_over
 from hfexport.versions import quiet_loggers
 
 ONNX_QUANTIZATION = {"int4": "onnx_int4_weights", "int8": "onnx_int8_dynamic"}
+Q8_0_BLOCK = 32  # GGUF's Q8_0 blocks: a tied table read from such a file is held exactly
 
 
 def _proto(program: Any) -> Any:
@@ -106,7 +108,7 @@ class OnnxInt4Weights(Pass):
 
     def __init__(
         self,
-        group_size: int = 32,
+        group_size: int = ONNX_INT4_GROUP_SIZE,
         accuracy_level: int = 4,
         minimums: bool = False,
         int8_output: bool = True,
@@ -183,8 +185,8 @@ class OnnxInt4Weights(Pass):
 
     def _blocks(self, graph: Any, node: Any, bits: int, symmetric: bool, accuracy_level: int | None = None) -> str:
         """Replace ``node`` (a MatMul with a constant [K, N] weight) by a ``MatMulNBits`` of its weight
-        in blocks of ``group_size`` (ONNX Runtime's quantizer: a scale per block, and an integer zero
-        point unless ``symmetric``); the new node's name."""
+        in blocks of ``group_size``, 8 bits in GGUF Q8_0's 32 (ONNX Runtime's quantizer: a scale per
+        block, and an integer zero point unless ``symmetric``); the new node's name."""
         import onnx_ir as ir
 
         with quiet_loggers():
@@ -194,9 +196,8 @@ class OnnxInt4Weights(Pass):
             )
 
         level = accuracy_level or self.accuracy_level
-        config = DefaultWeightOnlyQuantConfig(
-            block_size=self.group_size, is_symmetric=symmetric, accuracy_level=level, bits=bits
-        )
+        block = Q8_0_BLOCK if bits == 8 else self.group_size
+        config = DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=symmetric, accuracy_level=level, bits=bits)
         weight = node.inputs[1]
         array = np.ascontiguousarray(weight.const_value.numpy())  # the kernel reads it row-major
         kind = array.dtype
@@ -209,7 +210,7 @@ class OnnxInt4Weights(Pass):
         if not symmetric:
             inputs.append(_initializer(graph, f"{base}_zero_points", zero_points))
         k, n = array.shape
-        attributes = {"K": k, "N": n, "bits": bits, "block_size": self.group_size, "accuracy_level": level}
+        attributes = {"K": k, "N": n, "bits": bits, "block_size": block, "accuracy_level": level}
         quantized = ir.node("MatMulNBits", inputs, attributes=attributes, domain=MS_DOMAIN, name=f"{node.name}_Q{bits}")
         quantized.metadata_props.update(node.metadata_props)
         graph.insert_before(node, quantized)
