@@ -344,6 +344,20 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{row['peak_rss_mib']} | {loop} | {row['first_token_seconds'] * 1000:.0f} | "
             f"{row['decode_tokens_per_second']:.1f} | {top1} | {kl} | {answer} |"
         )
+    lines += [
+        "",
+        "| variant | hfexport ÷ peer, decode tok/s (median over the rounds of the same round's ratio) |",
+        "|---|---|",
+    ]
+    for row in rows:
+        peer = next((p for p in rows if p["variant"] == row["variant"] and p["exporter"] != "hfexport"), None)
+        if row["exporter"] == "hfexport" and peer is not None:
+            ratios = [
+                mine["decode_tokens_per_second"] / theirs["decode_tokens_per_second"]
+                for mine, theirs in zip(row["runs"], peer["runs"], strict=True)
+                if theirs["decode_tokens_per_second"]
+            ]
+            lines.append(f"| {row['variant']} | {statistics.median(ratios):.2f}× ({peer['exporter']}) |")
     return "\n".join(lines)
 
 

@@ -220,9 +220,9 @@ def _pass_name(item: Any) -> str:
     return name
 
 
-# SmolLM2-135M-Instruct int4 in og.Generator, one process per run (benchmarks/results/onnx-int4-group-size): blocks
-# of 64 step in 5.64 ms against 6.15 for blocks of 32 and the builder's 5.65 (its symmetric blocks of 32), and stay
-# nearer fp32 than the builder's (KL 0.289 against its 0.306, top-1 79.8% against 76.7%; 32: 0.244, 79.0%)
+# SmolLM2-135M-Instruct int4 in og.Generator (benchmarks/results/runtime-loops/README.md): blocks of 64 decode at
+# 1.03x the ONNX Runtime GenAI builder's symmetric blocks of 32, blocks of 32 at 0.95x (their zero points cost what
+# half the scales save), and stay nearer fp32 than the builder's (KL 0.289 against 0.306; blocks of 32: 0.244)
 ONNX_INT4_GROUP_SIZE = 64
 
 

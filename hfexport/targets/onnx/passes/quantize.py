@@ -71,23 +71,24 @@ def _counts(before: dict[str, int], after: Any, op_types: tuple[str, ...]) -> di
 
 
 class OnnxInt4Weights(Pass):
-    """MatMul weights to asymmetric 4-bit blocks (ONNX Runtime's ``MatMulNBits``, integer zero
-    points), their inputs quantized to int8 per block on the fly (``accuracy_level=4``). An output
+    """MatMul weights to asymmetric 4-bit blocks of ``group_size`` (64; ONNX Runtime's ``MatMulNBits``,
+    integer zero points), their inputs quantized to int8 per block on the fly (``accuracy_level=4``). An output
     projection tied to the embedding table goes to symmetric 4-bit blocks with its ``rescore_top``
     highest logits recomputed from the fp32 table (:mod:`hfexport.passes.top_logits`); any other
     stays in symmetric 8-bit blocks. A layer's q, k and v weights are packed into one ``MatMul``
     before (``onnx_packed_projections``), so they share a node and quantize their input once.
 
-    The defaults are close to ONNX Runtime GenAI's model builder's form (it takes symmetric blocks),
-    which its runtime and users compare against. SmolLM2-135M-Instruct in ``og.Generator``, 64 tokens
-    (``benchmarks/results/runtime-loops/README.md``): 212.5 tok/s against the builder's 221.2 (the
-    form below: 0.67×), teacher-forced top-1 against fp32 78.1% (the builder's folder 73.4%), "The
-    capital of France is Paris, France.". Three options trade speed for exactness:
+    The defaults are close to ONNX Runtime GenAI's model builder's form (it takes symmetric blocks of
+    32), which its runtime and users compare against. SmolLM2-135M-Instruct in ``og.Generator``, 64
+    tokens (``benchmarks/results/runtime-loops/README.md``): 1.03× the builder's decode speed (blocks of
+    32: 0.95×; the form below: 0.67× in an earlier run), teacher-forced top-1 against fp32 79.8% and KL
+    0.289 over 600 tokens (the builder's folder 76.7%, 0.306), "The capital of France is Paris,
+    France.". Three options trade speed for exactness:
 
     - ``minimums=True``: a float minimum per block (llama.cpp's Q4_1 form,
       :mod:`hfexport.targets.onnx.passes.blocks`) instead of an integer zero point, which rounds the
       minimum up to half a step off; a Q4_1 checkpoint (a GGUF file, like SmolLM2's) is then held
-      exactly. It adds a ``MatMul`` of the input's block sums per weight.
+      exactly with ``group_size=32``, its blocks. It adds a ``MatMul`` of the input's block sums per weight.
     - ``float_attention=True``: the attention modules' own projections (q, k, v, o: the linear
       layers torch.onnx records inside a class named ``…Attention``) keep fp32 inputs
       (``accuracy_level=1``), where int8 inputs did the most harm.
