@@ -42,9 +42,12 @@ PROJECTOR_NAMES = ("multi_modal_projector", "connector", "embed_vision", "embed_
 
 
 @contextmanager
-def _recording(module: torch.nn.Module, calls: list[dict[str, Any]]) -> Iterator[None]:
+def _recording(
+    module: torch.nn.Module, calls: list[dict[str, Any]], returned: list[Returned] | None = None
+) -> Iterator[None]:
     """Append a deep copy of the kwargs of every ``module`` call (copied before the call runs,
-    so the cache is recorded in the state the call received)."""
+    so the cache is recorded in the state the call received), and to ``returned`` what each
+    call handed back (:class:`Returned`)."""
 
     def hook(_module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if args:
@@ -52,11 +55,28 @@ def _recording(module: torch.nn.Module, calls: list[dict[str, Any]]) -> Iterator
             kwargs = {**dict(zip(names, args, strict=False)), **kwargs}
         calls.append(copy.deepcopy(kwargs))
 
-    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+    def after(_module: torch.nn.Module, _args: tuple, _kwargs: dict[str, Any], output: Any) -> None:
+        values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else ()
+        logits = getattr(output, "logits", None)
+        last = logits[:, -1].detach().clone() if isinstance(logits, torch.Tensor) and logits.dim() == 3 else None
+        returned.append(Returned(any(holds_cache(v) for v in values), last))
+
+    handles = [module.register_forward_pre_hook(hook, with_kwargs=True)]
+    if returned is not None:
+        handles.append(module.register_forward_hook(after, with_kwargs=True))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
+
+
+@dataclasses.dataclass(frozen=True)
+class Returned:
+    """What one recorded forward call handed back: whether a cache, and its last position's logits."""
+
+    cache: bool
+    last_logits: torch.Tensor | None
 
 
 def _forward_parameters(module: torch.nn.Module) -> set[str]:
@@ -83,28 +103,6 @@ def holds_cache(value: Any) -> bool:
         and bool(value)
         and all(isinstance(v, (torch.Tensor, tuple, list)) for v in value)
     )
-
-
-def _returns_cache(model: torch.nn.Module, prefill: dict[str, Any]) -> bool:
-    """Whether ``model`` hands back a cache from its prefill when asked to (``use_cache=True``
-    with no cache given), as generate asks it. One that does not (a BERT-style model with
-    ``is_decoder=False``) runs the whole sequence again at each step under generate. The probe
-    takes the prefill's token-level inputs only (generate's masks are sized to its cache); where
-    it cannot run, the recorded calls decide."""
-    if "use_cache" not in _forward_parameters(model):
-        return True
-    kwargs = {
-        k: v
-        for k, v in copy_inputs(prefill).items()
-        if k != "cache_position" and ((isinstance(v, torch.Tensor) and v.dim() <= 2) or k == "encoder_outputs")
-    }
-    try:
-        with torch.no_grad():
-            output = model(**kwargs, use_cache=True)
-    except Exception:
-        return True
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else ()
-    return any(holds_cache(v) for v in values)
 
 
 def _clean(module: torch.nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -331,6 +329,7 @@ def decompose_for_generation(
         config.pad_token_id = getattr(model.generation_config, "pad_token_id", None) or 0
 
     calls: list[dict[str, Any]] = []
+    returned: list[Returned] = []
     # Submodules transformers runs outside the top-level forward (an encoder-decoder's encoder,
     # before the loop) or inside the prefill (a multimodal model's encoders, projector, language
     # model and head): each gets its own hook.
@@ -340,7 +339,7 @@ def decompose_for_generation(
         scope.enter_context(eval_mode(model))
         scope.enter_context(patches_applied(scope="generate"))
         vision_indices = scope.enter_context(recording_vision_indices())
-        scope.enter_context(_recording(model, calls))
+        scope.enter_context(_recording(model, calls, returned))
         for name, module in submodules.items():
             scope.enter_context(_recording(module, sub_calls[name]))
         try:
@@ -361,7 +360,9 @@ def decompose_for_generation(
         )
     if not any(holds_cache(value) for value in _clean(model, calls[1]).values()):
         return {"decode": (model, _whole_sequence_step(model, calls, submodules))}
-    if not _returns_cache(model, _clean(model, calls[0])):
+    # generate asks for the cache (use_cache=True); a model that hands none back (a BERT-style model with
+    # is_decoder=False) runs the whole sequence again at each step under generate
+    if "use_cache" in _forward_parameters(model) and not returned[0].cache:
         raise UnsupportedModelError(
             f"{type(model).__name__} returns no cache from its forward with this config (generate runs the whole "
             "sequence again at each step; a BERT-style model with is_decoder=False attends both ways), and "
@@ -375,7 +376,7 @@ def decompose_for_generation(
     decode = calls[1]
     if multi_token_decode:
         merged = merge_decode_steps(calls[1], calls[2])
-        failure = _multi_token_decode_mismatch(model, calls[1:3], merged)
+        failure = _multi_token_decode_mismatch(model, calls[1:3], returned[1:3], merged)
         if failure is None:
             decode = merged
         else:
@@ -482,15 +483,21 @@ def _whole_sequence_step(
 
 
 def _multi_token_decode_mismatch(
-    model: torch.nn.Module, steps: list[dict[str, Any]], merged: dict[str, Any]
+    model: torch.nn.Module, steps: list[dict[str, Any]], returned: list[Returned], merged: dict[str, Any]
 ) -> str | None:
     """Why one decode call over two merged steps does not give the logits of the two steps
-    ``generate`` ran one at a time, or ``None`` when it does (run in eager mode, on copies).
+    ``generate`` ran one at a time (``returned``, or the ``steps`` run again where generate's
+    output had no logits), or ``None`` when it does (run in eager mode, on copies).
     Mamba's forward raises with a filled cache and several tokens or, in its full-sequence form,
     restarts from a zero recurrent state: both are caught here."""
     try:
         with torch.no_grad(), eval_mode(model):
-            expected = [model(**copy_inputs(_clean(model, step))).logits[:, -1] for step in steps]
+            expected = [
+                given.last_logits
+                if given.last_logits is not None
+                else model(**copy_inputs(_clean(model, step))).logits[:, -1]
+                for step, given in zip(steps, returned, strict=True)
+            ]
             got = model(**copy_inputs(_clean(model, merged))).logits
     except Exception as error:  # the model's own failure, reported as the reason
         return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
