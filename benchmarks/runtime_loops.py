@@ -98,6 +98,7 @@ def timed_child(command: list[str], log: Path, env: dict[str, str] | None = None
     return {
         "wall_seconds": round(wall, 1),
         "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
+        "system_seconds": round(usage.ru_stime, 1),
         "peak_rss_mib": max([round(usage.ru_maxrss / 1024), *printed]),
     }
 
