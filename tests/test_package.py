@@ -163,7 +163,7 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
     from hfexport.presets import PRESETS, sample_inputs
 
     scopes = {patch.scope for patch in PATCHES.values()}
-    assert scopes == {"capture", "generate", "to_onnx", "onnx_passes", "to_edge"}
+    assert scopes == {"capture", "generate", "to_onnx", "onnx_passes", "to_edge", "delegate"}
     before = _patched_state()
     assert {name for name, _, _ in before} == set(PATCHES)  # every patch has at least one target here
     seen: dict = {}
@@ -222,7 +222,17 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
         with pytest.raises(HfExportError, match="edge conversion failed on purpose"):
             ExecutorchExporter().export(model, sample_inputs(model))
     assert _patched_state() == before
-    assert set(seen) == {"capture", "generate", "to_onnx", "onnx_passes", "to_edge"}
+
+    def failing_delegation(*args, **kwargs):
+        seen["delegate"] = _patched_state()
+        raise RuntimeError("delegation failed on purpose")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(executorch_program.EdgeProgramManager, "to_backend", failing_delegation)
+        with pytest.raises(HfExportError, match="delegation failed on purpose"):
+            ExecutorchExporter().export(model, sample_inputs(model))
+    assert _patched_state() == before
+    assert set(seen) == {"capture", "generate", "to_onnx", "onnx_passes", "to_edge", "delegate"}
     # inside each scope, exactly that scope's patches were on (an attribute two scopes patch, such as
     # get_vision_position_ids, changes in both)
     for scope, state in seen.items():

@@ -8,12 +8,13 @@ afterwards, or to observe a run:
 - ``"generate"``: around the ``model.generate`` run of the generation decomposition;
 - ``"to_onnx"``: around ``torch.onnx.export`` in the ONNX lowering
   (:func:`hfexport.targets.onnx.lowering.to_onnx`);
-- ``"to_edge"``: around ExecuTorch's edge conversion (:func:`hfexport.targets.executorch.lowering.to_edge`).
+- ``"to_edge"``: around ExecuTorch's edge conversion (:func:`hfexport.targets.executorch.lowering.to_edge`);
+- ``"delegate"``: around ExecuTorch's delegation (:func:`hfexport.targets.executorch.lowering.delegate`).
 
 Each patch carries its reason and the upstream issue. :func:`patches_applied` restores every
 target on every path, errors included. A workaround that can be done on the graph is a pass, not
 a patch. The registry knows no model: the patches themselves are registered by
-:mod:`hfexport.models.patches` (the ``"to_onnx"`` and ``"to_edge"`` ones by the lowerings).
+:mod:`hfexport.models.patches` (the ``"to_onnx"``, ``"to_edge"`` and ``"delegate"`` ones by the lowerings).
 
 Patches are process-global, and so is the state ``torch.export`` keeps while it traces (its
 dispatch-mode stack: two captures in two threads fail with "Trying to pop empty mode stack"). So
@@ -36,7 +37,7 @@ from typing import Any
 from hfexport.errors import ConfigError
 
 _MISSING = object()
-SCOPES = ("capture", "generate", "to_onnx", "onnx_passes", "to_edge")
+SCOPES = ("capture", "generate", "to_onnx", "onnx_passes", "to_edge", "delegate")
 EXPORT_LOCK = threading.RLock()
 
 
