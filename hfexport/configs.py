@@ -221,8 +221,8 @@ def _pass_name(item: Any) -> str:
 
 
 # SmolLM2-135M-Instruct int4 in og.Generator (benchmarks/results/runtime-loops/README.md): blocks of 64 decode at
-# 1.03x the ONNX Runtime GenAI builder's symmetric blocks of 32, blocks of 32 at 0.95x (their zero points cost what
-# half the scales save), and stay nearer fp32 than the builder's (KL 0.289 against 0.306; blocks of 32: 0.244)
+# 1.03x the ONNX Runtime GenAI builder's symmetric blocks of 32, blocks of 32 at 0.95x (a step reads half the scales
+# and zero points), and stay nearer fp32 than the builder's (KL 0.289 against 0.306; blocks of 32: 0.244)
 ONNX_INT4_GROUP_SIZE = 64
 
 
