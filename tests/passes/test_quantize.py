@@ -293,8 +293,19 @@ def test_cli_quantize_flag(tmp_path):
     assert main(["export", "tiny-llama", "--format", "onnx", "--quantize", "int4", "--out", str(tmp_path)]) == 0
     import onnx
 
-    ops = {node.op_type for node in onnx.load(tmp_path / "model.onnx").graph.node}
-    assert "MatMulNBits" in ops
+    nodes = onnx.load(tmp_path / "model.onnx").graph.node
+    assert "MatMulNBits" in {node.op_type for node in nodes}
+    # the default blocks (64: SmolLM2 in og.Generator, benchmarks/results/runtime-loops), the 8-bit output
+    # projection's in GGUF Q8_0's 32
+    blocks = {
+        (attributes["bits"], attributes["block_size"])
+        for attributes in (
+            {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            for node in nodes
+            if node.op_type == "MatMulNBits"
+        )
+    }
+    assert blocks == {(4, 64), (8, 32)}, blocks
 
 
 # the .pte against the fp32 weights alone (the fp32 .pte is 416 KiB for 353 KiB of weights)
