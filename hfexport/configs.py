@@ -265,6 +265,10 @@ class OnnxConfig(DynamoConfig):
             raise ConfigError(f"OnnxConfig genai must be True or False, got {_given(self.genai)}")
         if self.quantize not in (None, "int4", "int8"):
             raise ConfigError(f"OnnxConfig quantize must be None, 'int4' or 'int8', got {self.quantize!r}")
+        size = self.quantize_group_size
+        if self.quantize == "int4" and (not isinstance(size, int) or size < 16 or size & (size - 1)):
+            # ONNX Runtime's MatMulNBits takes blocks of a power of two from 16
+            raise ConfigError(f"OnnxConfig quantize_group_size must be a power of two of at least 16, got {size!r}")
         if self.opset_version is not None:
             latest = latest_onnx_opset()
             if not MIN_ONNX_OPSET <= self.opset_version <= (latest or self.opset_version):

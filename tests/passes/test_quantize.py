@@ -223,6 +223,9 @@ def test_a_quantization_that_breaks_the_logits_is_caught_by_cosine_similarity():
 def test_quantize_modes_and_group_sizes_are_checked_when_the_config_is_built():
     with pytest.raises(ConfigError, match="quantize must be None, 'int4' or 'int8', got 'int3'"):
         OnnxConfig(quantize="int3")
+    # named by the config's own field, before a checkpoint is loaded
+    with pytest.raises(ConfigError, match="OnnxConfig quantize_group_size must be a power of two .* got 48"):
+        OnnxConfig(quantize="int4", quantize_group_size=48)
     model = build("tiny-llama")
     with pytest.raises(ConfigError, match="group_size must be a power of two"):
         OnnxExporter().export(model, sample_inputs(model), OnnxConfig(quantize="int4", quantize_group_size=24))
