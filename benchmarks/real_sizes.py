@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from runtime_loops import BUILDER, builder_script, timed_child
+from runtime_loops import BUILDER, builder_script, in_turns, timed_child
 
 # the published configs' shapes (meta-llama/Llama-3.2-1B-Instruct, -3B-Instruct)
 SHAPES: dict[str, dict[str, Any]] = {
@@ -159,7 +159,7 @@ def measure(args: argparse.Namespace, shape: str, work: Path) -> list[dict[str, 
             exports.append(("builder", command))
         measured: dict[str, list[dict[str, Any]]] = {exporter: [] for exporter, _ in exports}
         for index in range(args.rounds):  # the exporters in turns, the order rotated each round
-            for exporter, command in exports[index % len(exports) :] + exports[: index % len(exports)]:
+            for exporter, command in in_turns(exports, index):
                 out = work / f"{exporter}-{variant.replace(':', '-')}"
                 log = work / f"{exporter}-{variant.replace(':', '-')}.log"
                 print(f"{shape}: export {variant} ({exporter}), round {index + 1} ...", file=sys.stderr, flush=True)

@@ -302,6 +302,12 @@ def one_run(kind: str, folder: str, tokenizer: str | None, new_tokens: int) -> d
     }
 
 
+def in_turns(items: list[Any], round_index: int) -> list[Any]:
+    """``items`` in the order of round ``round_index``: rotated by one each round, so none is always first."""
+    turn = round_index % len(items)
+    return items[turn:] + items[:turn]
+
+
 def decode_rounds(rows: list[dict[str, Any]], rounds: int, new_tokens: int, checkpoint: Path) -> None:
     """Each run in its own process, the variants in turns, the order rotated each round: in one process the
     variants loaded later ran up to 5% faster or slower than when loaded first (the same folders, swapped; SmolLM2
@@ -309,7 +315,7 @@ def decode_rounds(rows: list[dict[str, Any]], rounds: int, new_tokens: int, chec
     for row in rows:
         row["runs"] = []
     for index in range(rounds):
-        for row in rows[index % len(rows) :] + rows[: index % len(rows)]:
+        for row in in_turns(rows, index):
             kind = "onnx" if row["variant"].startswith("onnx") else "executorch"
             command = [sys.executable, __file__, "--one", kind, row["folder"], "--new-tokens", str(new_tokens)]
             command += ["--tokenizer", row["tokenizer"]] if row.get("tokenizer") else []

@@ -218,8 +218,8 @@ def converted_in_place(model: torch.nn.Module, dtype: torch.dtype, keep_stored: 
         # output projection, to read a few rows: half of the casts' time), and the first
         # floating-point parameter, whose dtype transformers' ``PreTrainedModel.dtype`` reports
         # (models cast their inputs and masks to it)
-        first = next((t for t in model.parameters() if t.is_floating_point()), None)
-        converted = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | {id(first)}
+        first = [t for t in model.parameters() if t.is_floating_point()][:1]
+        converted = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | set(map(id, first))
         for module in list(model.modules()):
             for name, tensor in list(module.named_parameters(recurse=False)):
                 if keep_stored and id(tensor) not in converted and _widens_exactly(tensor.dtype, dtype):

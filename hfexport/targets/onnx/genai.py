@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 from hfexport.errors import RuntimeInterfaceError
+from hfexport.targets.onnx.passes.domains import MS_DOMAIN
 
 INTERFACE = "onnxruntime-genai"
 INTERFACE_KEY = "hfexport.interface"  # the ONNX model's metadata_props: the interface it was given
@@ -103,7 +104,7 @@ def _attention_over_written_slots(graph: Any, total: Any) -> None:
     import numpy as np
     import onnx_ir as ir
 
-    attentions = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    attentions = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == MS_DOMAIN]
     if not attentions:
         return
     op = _Builder()
