@@ -52,7 +52,7 @@ class PassError(HfExportError):
 
 class ArtifactError(HfExportError):
     """A saved artifact cannot be read: missing, truncated or corrupt, or (without ``trust``) it
-    would run code from the file when loaded."""
+    would run code from the file when loaded; or an artifact cannot be written as it was exported."""
 
 
 class StageError(HfExportError):

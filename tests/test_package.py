@@ -124,7 +124,8 @@ def _patched_state():
     state = {}
     for patch in PATCHES.values():
         for owner, attribute in patch.owners():
-            state[patch.name, getattr(owner, "__name__", repr(owner)), attribute] = getattr(owner, attribute)
+            # None: a builtin the module only shadows while patched (``module:bytes``)
+            state[patch.name, getattr(owner, "__name__", repr(owner)), attribute] = getattr(owner, attribute, None)
     return state
 
 
@@ -163,7 +164,7 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
     from hfexport.presets import PRESETS, sample_inputs
 
     scopes = {patch.scope for patch in PATCHES.values()}
-    assert scopes == {"capture", "generate", "to_onnx", "onnx_passes", "to_edge", "delegate"}
+    assert scopes == {"capture", "generate", "to_onnx", "onnx_passes", "to_edge", "delegate", "to_executorch"}
     before = _patched_state()
     assert {name for name, _, _ in before} == set(PATCHES)  # every patch has at least one target here
     seen: dict = {}
@@ -232,7 +233,17 @@ def test_every_registered_patch_is_restored_after_a_failing_capture_and_decompos
         with pytest.raises(HfExportError, match="delegation failed on purpose"):
             ExecutorchExporter().export(model, sample_inputs(model))
     assert _patched_state() == before
-    assert set(seen) == {"capture", "generate", "to_onnx", "onnx_passes", "to_edge", "delegate"}
+
+    def failing_emission(*args, **kwargs):
+        seen["to_executorch"] = _patched_state()
+        raise RuntimeError("emission failed on purpose")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(executorch_program.EdgeProgramManager, "to_executorch", failing_emission)
+        with pytest.raises(HfExportError, match="emission failed on purpose"):
+            ExecutorchExporter().export(model, sample_inputs(model))
+    assert _patched_state() == before
+    assert set(seen) == {"capture", "generate", "to_onnx", "onnx_passes", "to_edge", "delegate", "to_executorch"}
     # inside each scope, exactly that scope's patches were on (an attribute two scopes patch, such as
     # get_vision_position_ids, changes in both)
     for scope, state in seen.items():

@@ -9,12 +9,14 @@ afterwards, or to observe a run:
 - ``"to_onnx"``: around ``torch.onnx.export`` in the ONNX lowering
   (:func:`hfexport.targets.onnx.lowering.to_onnx`);
 - ``"to_edge"``: around ExecuTorch's edge conversion (:func:`hfexport.targets.executorch.lowering.to_edge`);
-- ``"delegate"``: around ExecuTorch's delegation (:func:`hfexport.targets.executorch.lowering.delegate`).
+- ``"delegate"``: around ExecuTorch's delegation (:func:`hfexport.targets.executorch.lowering.delegate`);
+- ``"to_executorch"``: around ExecuTorch's emission and serialization
+  (:func:`hfexport.targets.executorch.lowering.to_executorch`).
 
 Each patch carries its reason and the upstream issue. :func:`patches_applied` restores every
 target on every path, errors included. A workaround that can be done on the graph is a pass, not
 a patch. The registry knows no model: the patches themselves are registered by
-:mod:`hfexport.models.patches` (the ``"to_onnx"``, ``"to_edge"`` and ``"delegate"`` ones by the lowerings).
+:mod:`hfexport.models.patches` (those of the lowerings' scopes by the lowerings).
 
 Patches are process-global, and so is the state ``torch.export`` keeps while it traces (its
 dispatch-mode stack: two captures in two threads fail with "Trying to pop empty mode stack"). So
@@ -25,11 +27,13 @@ waits for it.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import fnmatch
 import importlib
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +41,7 @@ from typing import Any
 from hfexport.errors import ConfigError
 
 _MISSING = object()
-SCOPES = ("capture", "generate", "to_onnx", "onnx_passes", "to_edge", "delegate")
+SCOPES = ("capture", "generate", "to_onnx", "onnx_passes", "to_edge", "delegate", "to_executorch")
 EXPORT_LOCK = threading.RLock()
 
 
@@ -48,7 +52,8 @@ class Patch:
     ``target`` is ``"package.module:Owner.attribute"``. A module part with a ``*``
     (``"transformers.models.*.modeling_*:helper"``) names every module already imported that
     matches it and has the attribute: a modeling file that was never imported defines no model
-    being exported, so nothing is imported to patch it.
+    being exported, so nothing is imported to patch it. A module's attribute may be a builtin the
+    module calls (``"package.module:bytes"``): a global of that name shadows it for the scope.
     """
 
     name: str
@@ -70,9 +75,13 @@ class Patch:
         for owner in modules:
             for parent in parents:
                 owner = getattr(owner, parent, None)
-            if owner is not None and hasattr(owner, attribute):
+            if owner is not None and (hasattr(owner, attribute) or _shadows_a_builtin(owner, attribute)):
                 found.append((owner, attribute))
         return found
+
+
+def _shadows_a_builtin(owner: Any, attribute: str) -> bool:
+    return isinstance(owner, types.ModuleType) and hasattr(builtins, attribute)
 
 
 PATCHES: dict[str, Patch] = {}
@@ -108,7 +117,7 @@ def patches_applied(names: list[str] | None = None, *, scope: str | None = "capt
                     # Read the owner's own __dict__ so a class attribute inherited from a base class is
                     # deleted (not shadowed) on restore, and descriptors come back unchanged.
                     original = vars(owner).get(attribute, _MISSING) if hasattr(owner, "__dict__") else _MISSING
-                    current = getattr(owner, attribute)
+                    current = getattr(owner, attribute) if hasattr(owner, attribute) else getattr(builtins, attribute)
                     setattr(owner, attribute, patch.make(current))
                     applied.append((owner, attribute, original))
             yield selected

@@ -9,7 +9,6 @@ checks inputs against those bounds before running.
 from __future__ import annotations
 
 import collections
-import copy
 import functools
 import logging
 import os
@@ -26,6 +25,7 @@ from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_
 from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.patches import patches_applied, register_patch
 from hfexport.pipeline.pipeline import PipelineRun
+from hfexport.targets.executorch.shared_weights import WeightCheckedProgram, weights_viewed
 from hfexport.targets.manifest import STATE_PREFIX, kept_inside
 from hfexport.versions import require_backend
 
@@ -213,40 +213,6 @@ def _lifted_constants_in_placeholder_order(original: Any) -> Any:
     return lift_constant_tensor_pass
 
 
-class _CopySharingWeights:
-    """The ``copy`` module as ExecuTorch's ``backend_api`` sees it under the patch below: a deep
-    copy of an exported program shares its weight and constant tensors (the memo is seeded with
-    them), and copies the rest."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(copy, name)
-
-    @staticmethod
-    def deepcopy(value: Any, memo: dict[int, Any] | None = None) -> Any:
-        memo = {} if memo is None else memo
-        if isinstance(value, torch.export.ExportedProgram):
-            for tensor in (*value.state_dict.values(), *value.constants.values()):
-                memo[id(tensor)] = tensor
-        return copy.deepcopy(value, memo)
-
-
-@register_patch(
-    "executorch.exir.backend.backend_api:copy",
-    name="delegate_copies_share_weights",
-    reason=(
-        "to_backend deep-copies every partition's program before the backend's preprocess ('in case backends "
-        "change graph inside preprocess'), weights included, and XNNPACK's preprocess then keeps its own bytes "
-        "of each weight: three copies of the weights at the delegate stage (SmolLM2-135M fp32: 1.29 -> 2.42 GB, "
-        "Llama-3.2-1B's shape 5.3 -> 15.5 GB). The copies share the weight tensors instead: XNNPACK's passes "
-        "and node visitors replace a constant with a new tensor, none writes into one"
-    ),
-    upstream="https://github.com/pytorch/executorch/pull/4311",  # retiring the deep copy, not merged
-    scope="delegate",
-)
-def _copy_sharing_weights(original: Any) -> Any:
-    return _CopySharingWeights()
-
-
 def to_edge(program: torch.export.ExportedProgram, partitioners: list[Any]) -> Any:
     """ATen → ExecuTorch edge dialect, keeping whole the ops the partitioners take undecomposed
     (linear, SDPA, … for XNNPACK), exactly as ``to_edge_transform_and_lower`` does before it
@@ -276,7 +242,7 @@ def delegate(edge: Any, partitioners: list[Any], run: PipelineRun) -> Any:
     level = partition_logger.level
     partition_logger.setLevel(logging.ERROR)
     try:
-        with patches_applied(scope="delegate"):
+        with patches_applied(scope="delegate"), weights_viewed(edge.exported_program()):
             for partitioner in partitioners:
                 edge = edge.to_backend({"forward": partitioner})
     finally:
@@ -325,7 +291,9 @@ def to_executorch(edge: Any, config: Any, run: PipelineRun) -> Any:
         # "buffers that are mutated ... have a meaningless initial state": ours carry one (et_init_buffer)
         warnings.filterwarnings("ignore", message="Mutation on a buffer in the model is detected")
         try:
-            program = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
+            with patches_applied(scope="to_executorch"), weights_viewed(edge.exported_program()):
+                program = edge.to_executorch(ExecutorchBackendConfig(memory_planning_pass=planning))
+            program.__class__ = WeightCheckedProgram  # its .pte bytes view the model's weights
         except (GuardOnDataDependentSymNode, RuntimeError) as error:
             unbounded = isinstance(error, GuardOnDataDependentSymNode) or "finite upper bound" in str(error)
             if not unbounded:
