@@ -4,6 +4,9 @@ capture (torch.export) → named FX passes → lowering (torch.export / ONNX / E
 every stage can dump its graph, be timed and be checked against eager PyTorch.
 """
 
+# first: the export command's own process is set up before torch loads
+import hfexport.export_process
+
 # registers the built-in passes: the target-neutral ones, then each target's own
 import hfexport.passes
 import hfexport.targets.executorch.passes

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -609,6 +610,21 @@ def main(argv: list[str] | None = None) -> int:
     # every weight again): converting 1.3 GB of bfloat16 to float32 three times took 4.0 s of
     # CPU with 4 KB pages and 1.0 s with huge pages, on this machine.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    # Python's cyclic garbage collector runs a young-generation pass every 700 allocations net,
+    # and torch.export, FX and onnx_ir allocate millions of objects that live for the whole export
+    # (graphs, nodes, metadata), which each pass and the full ones re-scan: a Llama-3.2-1B-shaped
+    # ONNX export spent 2.05 CPU seconds in 2,029 collections, 0.37 in 12 with a pass every
+    # 100,000, at the same peak RSS. Cycles are still collected, less often; an in-process caller
+    # gets its own thresholds back.
+    thresholds = gc.get_threshold()
+    gc.set_threshold(100_000)
+    try:
+        return _main(argv)
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
