@@ -124,6 +124,24 @@ def test_a_program_whose_weights_changed_after_the_export_is_not_written(tmp_pat
         len(program.buffer)
 
 
+def test_a_pte_that_fails_to_be_written_leaves_no_file_that_looks_valid(tmp_path, monkeypatch):
+    # ExecutorchProgramManager.save logs an error in writing and returns: the export folder got a
+    # truncated model.pte and its manifest
+    from executorch.exir import ExecutorchProgramManager
+
+    model = build("tiny-llama")
+    result = ExecutorchExporter().run(model, sample_inputs(model, 1, 4), ExecutorchConfig())
+
+    def disk_full(self, file):
+        file.write(b"\0" * 64)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ExecutorchProgramManager, "write_to_file", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        save_export(tmp_path / "out", {"model": result})
+    assert not list((tmp_path / "out").glob("**/*.pte")) and not list((tmp_path / "out").glob("**/hfexport.json"))
+
+
 def test_spec_example_runs_unchanged(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = build("tiny-qwen3")

@@ -89,7 +89,9 @@ class ExecutorchTarget(Target):
         return load_edge(path, trust)
 
     def save(self, program: Any, path: Path) -> None:
-        program.save(str(path))
+        from hfexport.targets.executorch.lowering import write_pte
+
+        write_pte(program, path)
 
     def component(self, program: Any, captured: Captured | None) -> ComponentSpec:
         return pte_component(program, captured)

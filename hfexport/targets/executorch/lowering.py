@@ -427,6 +427,13 @@ def load_edge(path: str | Path, trust: bool = False) -> Any:
     return EdgeProgramManager({"forward": program}, compile_config=EdgeCompileConfig(_check_ir_validity=False))
 
 
+def write_pte(program: Any, path: Path) -> None:
+    """Write ``program``'s ``.pte`` to ``path``. Not ``ExecutorchProgramManager.save``: it logs an
+    error in writing (a full disk) and returns, leaving a truncated file."""
+    with open(path, "wb") as file:
+        program.write_to_file(file)
+
+
 def _snapshot(edge: Any) -> Any:
     import copy
 
@@ -454,7 +461,7 @@ def _register() -> None:
             suffix=".pte",
             text=lambda p: str(p.exported_program()),
             histogram=lambda p: graph_histogram(p.exported_program().graph),
-            save=lambda program, path: program.save(str(path)),
+            save=write_pte,
             run=run_pte,
             snapshot=_snapshot,
         ),
