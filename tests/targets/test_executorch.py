@@ -120,6 +120,7 @@ def test_a_program_whose_weights_changed_after_the_export_is_not_written(tmp_pat
         model.model.layers[0].mlp.up_proj.weight.mul_(2)
     with pytest.raises(ArtifactError, match="1 of this ExecuTorch program's weights were changed in place after"):
         program.save(str(tmp_path / "after.pte"))
+    assert not (tmp_path / "after.pte").exists()
     with pytest.raises(ArtifactError, match="save the program before changing the model, or export again"):
         len(program.buffer)
 
@@ -139,6 +140,8 @@ def test_a_pte_that_fails_to_be_written_leaves_no_file_that_looks_valid(tmp_path
     monkeypatch.setattr(ExecutorchProgramManager, "write_to_file", disk_full)
     with pytest.raises(OSError, match="No space left on device"):
         save_export(tmp_path / "out", {"model": result})
+    with pytest.raises(OSError, match="No space left on device"):
+        result.program.save(str(tmp_path / "model.pte"))  # the spec's et_program.save
     assert not list((tmp_path / "out").glob("**/*.pte")) and not list((tmp_path / "out").glob("**/hfexport.json"))
 
 

@@ -82,7 +82,7 @@ def changed_weights(program: Any) -> int:
 class WeightCheckedProgram(ExecutorchProgramManager):
     """An ``ExecutorchProgramManager`` whose ``.pte`` bytes view the model's weights: writing it
     (``save``, ``write_to_file``, ``buffer``) raises :class:`~hfexport.errors.ArtifactError` when
-    one of them was changed in place since the export, before a file is opened."""
+    one of them was changed in place since the export, and ``save`` raises what writing raises."""
 
     def _check_weights(self) -> None:
         changed = changed_weights(self)
@@ -94,8 +94,12 @@ class WeightCheckedProgram(ExecutorchProgramManager):
             )
 
     def save(self, path: str) -> None:
-        self._check_weights()
-        super().save(path)
+        # not the base class's: it logs an error in writing (a full disk) and returns
+        if not str(path).endswith(".pte"):
+            raise ValueError(f"Path {path} does not end with .pte")
+        self._check_weights()  # before a file is opened
+        with open(path, "wb") as file:
+            self.write_to_file(file)
 
     def write_to_file(self, open_file: Any) -> None:
         self._check_weights()
