@@ -15,7 +15,8 @@ STATIC = GenerationConfig(cache_implementation="static", max_cache_len=32)
 
 def patch_targets():
     return {
-        (name, id(owner), attribute): getattr(owner, attribute)
+        # None: a builtin the module only shadows while patched (``module:bytes``)
+        (name, id(owner), attribute): getattr(owner, attribute, None)
         for name, patch in PATCHES.items()
         for owner, attribute in patch.owners()
     }
