@@ -9,11 +9,17 @@ import sys
 
 
 def started_as_the_export_command(argv: list[str]) -> bool:
-    """Whether ``argv`` (the interpreter's own, ``sys.orig_argv``) ran ``hfexport export``."""
-    for index, arg in enumerate(argv):
-        if os.path.basename(arg) == "hfexport" or (arg in ("hfexport.cli", "hfexport") and argv[index - 1] == "-m"):
-            return argv[index + 1 : index + 2] == ["export"]
-    return False
+    """Whether ``argv`` (the interpreter's own, ``sys.orig_argv``) ran ``hfexport export``: the
+    program the interpreter ran (after its own flags) is the ``hfexport`` script or ``-m
+    hfexport.cli``, and its first argument is ``export``."""
+    rest = argv[1:]
+    while rest and rest[0].startswith("-") and rest[0] != "-m":
+        rest = rest[1:]
+    if rest[:1] == ["-m"]:
+        program, rest = rest[1:2] in (["hfexport.cli"], ["hfexport"]), rest[2:]
+    else:
+        program, rest = bool(rest) and os.path.basename(rest[0]) == "hfexport", rest[1:]
+    return program and rest[:1] == ["export"]
 
 
 def set_before_torch_loads() -> None:

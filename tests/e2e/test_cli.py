@@ -92,7 +92,9 @@ def test_only_the_export_commands_process_has_openmp_threads_sleep_when_idle(tmp
     assert library.stdout.strip() == "None"
     assert started_as_the_export_command(["/venv/bin/python", "/venv/bin/hfexport", "export", "tiny-llama"])
     assert not started_as_the_export_command(["/venv/bin/python", "/venv/bin/hfexport", "generate", "out"])
+    assert started_as_the_export_command(["python", "-u", "-m", "hfexport.cli", "export", "tiny-llama"])
     assert not started_as_the_export_command(["python", "-m", "pytest", "tests"])
+    assert not started_as_the_export_command(["python", "tool.py", "/data/hfexport", "export"])
 
 
 def test_errors_are_one_clear_line(tmp_path):
