@@ -216,7 +216,7 @@ def _copy_sharing_weights(original: Any) -> Any:
     return _CopySharingWeights()
 
 
-@register_patch(
+register_patch(
     "executorch.exir.backend.canonical_partitioners.duplicate_constant_node_pass:copy",
     name="duplicated_constants_share_weights",
     reason=(
@@ -226,6 +226,4 @@ def _copy_sharing_weights(original: Any) -> Any:
     ),
     upstream="https://github.com/pytorch/executorch/blob/v1.4.1/exir/backend/canonical_partitioners/duplicate_constant_node_pass.py",
     scope="delegate",
-)
-def _duplicate_sharing_weights(original: Any) -> Any:
-    return _CopySharingWeights()
+)(_copy_sharing_weights)
