@@ -13,9 +13,12 @@ third copy in the old dtype.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Sequence
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -170,8 +173,11 @@ def in_dtype(
     if not automatic:
         logger.info("converting the %s model to %s (dtype=%r)", dtype_name(own), dtype_name(dtype), dtype_name(dtype))
     if in_place:
-        targets = [_target(config) for config in flat]
-        keep_stored = bool(targets) and all(t is not None and t.casts_stored_weights for t in targets)
+        targets = [(_target(config), config) for config in flat]
+
+        def keep_stored(module: torch.nn.Module) -> bool:
+            return bool(targets) and all(t is not None and t.keeps_stored(c, module) for t, c in targets)
+
         converted = converted_in_place(model, dtype, keep_stored=keep_stored)
     else:
         converted = converted_model(model, dtype)
@@ -195,17 +201,20 @@ def _widens_exactly(old: torch.dtype, new: torch.dtype) -> bool:
     return new == torch.float32 and old in (torch.bfloat16, torch.float16)
 
 
-def converted_in_place(model: torch.nn.Module, dtype: torch.dtype, keep_stored: bool = False) -> torch.nn.Module:
+def converted_in_place(
+    model: torch.nn.Module, dtype: torch.dtype, keep_stored: bool | Callable[[torch.nn.Module], bool] = False
+) -> torch.nn.Module:
     """``model`` computing in ``dtype``, changed in place (a model the caller owns: the command
     line's).
 
-    With ``keep_stored`` (every target it is exported for casts stored weights: ONNX), a weight
-    that ``dtype`` holds exactly (a bfloat16 or float16 checkpoint in float32), but for embedding
-    tables and the first parameter, stays as it was read, memory-mapped, and is computed in ``dtype``
-    (:class:`ComputedIn`): the program casts it, and the target converts each weight as it
-    writes it, as ONNX Runtime GenAI's builder converts a layer at a time. Holding the float32
-    weights from the capture to the save, a Llama-3.2-1B-shaped checkpoint's ONNX export peaked
-    at 5.3 GiB; it now peaks at 3.5 GiB (the builder: 5.0).
+    With ``keep_stored`` (true, or true of the module: every target it is exported for converts
+    the module's stored weights as it writes them, :meth:`~hfexport.targets.Target.keeps_stored`),
+    a weight that ``dtype`` holds exactly (a bfloat16 or float16 checkpoint in float32), but for
+    embedding tables and the first parameter, stays as it was read, memory-mapped, and is computed
+    in ``dtype`` (:class:`ComputedIn`): the program casts it, and the target converts each weight
+    on its own as it writes it, as ONNX Runtime GenAI's builder converts a layer at a time. Holding
+    the float32 weights from the capture to the save, a Llama-3.2-1B-shaped checkpoint's ONNX
+    export peaked at 5.3 GiB; it now peaks at 3.5 GiB (the builder: 5.0).
 
     Any other tensor is converted one at a time, the old one's memory going as the new one is
     made; for weights read from a memory-mapped checkpoint, the pages read are paged out too (the
@@ -221,8 +230,9 @@ def converted_in_place(model: torch.nn.Module, dtype: torch.dtype, keep_stored: 
         first = [t for t in model.parameters() if t.is_floating_point()][:1]
         converted = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | set(map(id, first))
         for module in list(model.modules()):
+            keeps = keep_stored(module) if callable(keep_stored) else keep_stored
             for name, tensor in list(module.named_parameters(recurse=False)):
-                if keep_stored and id(tensor) not in converted and _widens_exactly(tensor.dtype, dtype):
+                if keeps and id(tensor) not in converted and _widens_exactly(tensor.dtype, dtype):
                     parametrize.register_parametrization(module, name, ComputedIn(dtype), unsafe=True)
         stored = _stored(model)
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -267,3 +277,56 @@ def _page_out(tensor: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 21)  # MADV_PAGEOUT
     except (OSError, AttributeError):
         pass
+
+
+# the rows converted and written at a time
+_SLICE_BYTES = 64 << 20
+_reused = threading.local()
+
+
+@contextlib.contextmanager
+def buffers_reused() -> Iterator[None]:
+    """Within it, every :func:`write_converted` of this thread copies its slices into the same
+    buffers. Fresh ones fault every page in again for each weight: writing Llama-3.2-1B's
+    matrices converted to float32 took 4.6 to 5.1 s of kernel time with them, 3.4 s reused."""
+    _reused.buffers = {}
+    try:
+        yield
+    finally:
+        del _reused.buffers
+
+
+def _buffer(slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    buffers = getattr(_reused, "buffers", None)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if buffers is None:
+        return torch.empty(shape, dtype=dtype)
+    if slot not in buffers or buffers[slot].numel() < nbytes:
+        buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+    return buffers[slot][:nbytes].view(dtype).view(shape)
+
+
+def write_converted(source: torch.Tensor, dtype: torch.dtype, file: Any) -> None:
+    """Write ``source`` (a tensor of any strides and floating-point dtype) to ``file`` as a
+    row-major tensor of ``dtype``, converted a slice of rows at a time: a save never holds a
+    second whole copy of a weight (Llama-3.2-1B's 128,256 × 2,048 output projection alone is
+    1 GB in float32)."""
+    source = source.detach()
+    rows = source.reshape(1) if source.dim() == 0 else source
+    row_bytes = max(1, rows[0].numel() * dtype.itemsize)
+    step = max(1, _SLICE_BYTES // row_bytes)
+    buffer = _buffer("rows", (min(step, len(rows)), *rows.shape[1:]), dtype)
+    # a transposed matrix: its rows are the columns of a row-major one, converted a block of
+    # columns at a time and transposed in the new dtype (converting and transposing in one
+    # copy runs torch's slow strided path: 3 times the CPU time)
+    columns = rows.t() if rows.dim() == 2 and rows.stride(0) == 1 and rows.stride(1) != 1 else None
+    converted = _buffer("columns", (len(columns), step), dtype) if columns is not None else None
+    for start in range(0, len(rows), step):
+        part = buffer[: min(step, len(rows) - start)]
+        if columns is None:
+            part.copy_(rows[start : start + step])
+        else:
+            block = converted[:, : len(part)]
+            block.copy_(columns[:, start : start + step])
+            part.copy_(block.t())
+        file.write(memoryview(part.numpy()).cast("B"))

@@ -44,9 +44,12 @@ class Target:
     # runtime's name for those messages
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "float16", "bfloat16")
     runtime: ClassVar[str] = "the target's runtime"
-    # its lowering casts a weight the model stores narrower than it computes in
-    # (precision.ComputedIn) as it writes the program, so a model converted for it may keep them
-    casts_stored_weights: ClassVar[bool] = False
+
+    def keeps_stored(self, config: Any, module: torch.nn.Module) -> bool:
+        """Whether a model converted for an export with ``config`` may keep ``module``'s own
+        weights as stored, narrower than it computes in (:class:`~hfexport.precision.ComputedIn`):
+        the target's lowering converts them as it writes the program. No by default."""
+        return False
 
     def why_auto_converts(self, config: Any, dtype: str) -> str | None:
         """Why ``dtype="auto"`` exports a ``dtype`` model with ``config`` in float32 instead (the

@@ -28,13 +28,16 @@ import torch
 
 from hfexport.errors import ArtifactError
 from hfexport.pipeline.patches import register_patch
+from hfexport.targets.executorch.stored_weights import pages_released
 from hfexport.versions import require_backend
 
 require_backend("executorch", ("executorch",))
 from executorch.exir import ExecutorchProgramManager  # noqa: E402
 
-# The program's tensors by their storage's address while :func:`weights_viewed` is active.
+# The program's tensors by their storage's address while :func:`weights_viewed` is active, and
+# the one viewed last (its pages are released when the next is viewed: its reader is done)
 _VIEWABLE: dict[int, torch.Tensor] = {}
+_last_viewed: list[torch.Tensor] = []
 
 
 @contextlib.contextmanager
@@ -47,7 +50,10 @@ def weights_viewed(program: torch.export.ExportedProgram) -> Iterator[None]:
     try:
         yield
     finally:
+        for tensor in _VIEWABLE.values():
+            pages_released(tensor)
         _VIEWABLE.clear()
+        _last_viewed[:] = []
 
 
 class _WeightBytes(numpy.ndarray):
@@ -103,7 +109,10 @@ class WeightCheckedProgram(ExecutorchProgramManager):
 
     def write_to_file(self, open_file: Any) -> None:
         self._check_weights()
-        super().write_to_file(open_file)
+        for piece in self._pte_data._buffers:
+            open_file.write(piece)
+            if isinstance(piece, memoryview) and isinstance(piece.obj, _WeightBytes):
+                pages_released(piece.obj.tensor)
 
     @property
     def buffer(self) -> bytes:
@@ -117,6 +126,9 @@ def _bytes_viewing_weights(original: Any) -> Any:
         if len(args) == 1 and not kwargs and isinstance(args[0], ctypes.Array):
             tensor = _VIEWABLE.get(ctypes.addressof(args[0]))
             if tensor is not None and tensor.untyped_storage().nbytes() == ctypes.sizeof(args[0]):
+                if _last_viewed and _last_viewed[0] is not tensor:
+                    pages_released(_last_viewed[0])
+                _last_viewed[:] = [tensor]
                 return _read_only_view(tensor)
         return original(*args, **kwargs)
 

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hfexport.pipeline.capture import Captured
 from hfexport.targets import Target
 from hfexport.targets.manifest import ComponentSpec, Manifest
@@ -24,7 +26,11 @@ class OnnxTarget(Target):
     default_passes = passes.DEFAULT_PASSES
     dtypes = ("float32", "float16")  # ONNX Runtime's CPU kernels: none for bfloat16 (MatMul, RotaryEmbedding, …)
     runtime = "ONNX Runtime's CPU provider"
-    casts_stored_weights = True
+
+    def keeps_stored(self, config: Any, module: torch.nn.Module) -> bool:
+        # every cast of a stored weight is folded into the initializer written converted
+        # (initializers.stored_weights_made_when_written)
+        return True
 
     def runtime_loop(self, config: Any) -> str | None:
         return "ONNX Runtime GenAI" if config.genai else None

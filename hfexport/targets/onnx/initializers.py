@@ -8,42 +8,13 @@ weights), each is made whole, for as long as the reader holds it."""
 
 from __future__ import annotations
 
-import contextlib
-import math
 import re
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import onnx_ir as ir
 import torch
 
-# the rows copied and written at a time
-_SLICE_BYTES = 64 << 20
-_reused = threading.local()
-
-
-@contextlib.contextmanager
-def buffers_reused() -> Iterator[None]:
-    """Within it, every :class:`MadeWhenWritten` written by this thread copies its slices into the
-    same buffers. Fresh ones fault every page in again for each weight: writing Llama-3.2-1B's
-    matrices converted to float32 took 4.6 to 5.1 s of kernel time with them, 3.4 s reused."""
-    _reused.buffers = {}
-    try:
-        yield
-    finally:
-        del _reused.buffers
-
-
-def _buffer(slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    buffers = getattr(_reused, "buffers", None)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if buffers is None:
-        return torch.empty(shape, dtype=dtype)
-    if slot not in buffers or buffers[slot].numel() < nbytes:
-        buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
-    return buffers[slot][:nbytes].view(dtype).view(shape)
-
+from hfexport.precision import write_converted
 
 TORCH_DTYPES = {
     ir.DataType.FLOAT: torch.float32,
@@ -65,24 +36,7 @@ class MadeWhenWritten(ir.LazyTensor):
         return ir.tensor(self.source.to(self.torch_dtype).contiguous().numpy())
 
     def tofile(self, file: Any) -> None:
-        rows = self.source.reshape(1) if self.source.dim() == 0 else self.source
-        row_bytes = max(1, rows[0].numel() * self.torch_dtype.itemsize)
-        step = max(1, _SLICE_BYTES // row_bytes)
-        buffer = _buffer("rows", (min(step, len(rows)), *rows.shape[1:]), self.torch_dtype)
-        # a transposed matrix: its rows are the columns of a row-major one, converted a block of
-        # columns at a time and transposed in the new dtype (converting and transposing in one
-        # copy runs torch's slow strided path: 3 times the CPU time)
-        columns = rows.t() if rows.dim() == 2 and rows.stride(0) == 1 and rows.stride(1) != 1 else None
-        converted = _buffer("columns", (len(columns), step), self.torch_dtype) if columns is not None else None
-        for start in range(0, len(rows), step):
-            part = buffer[: min(step, len(rows) - start)]
-            if columns is None:
-                part.copy_(rows[start : start + step])
-            else:
-                block = converted[:, : len(part)]
-                block.copy_(columns[:, start : start + step])
-                part.copy_(block.t())
-            file.write(memoryview(part.numpy()).cast("B"))
+        write_converted(self.source, self.torch_dtype, file)
 
 
 def stored_weights_made_when_written(graph: ir.Graph) -> None:

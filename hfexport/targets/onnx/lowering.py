@@ -501,7 +501,7 @@ def save_onnx(program: torch.onnx.ONNXProgram, path: Path) -> None:
     import onnx
     import onnx_ir as ir
 
-    from hfexport.targets.onnx.initializers import buffers_reused
+    from hfexport.precision import buffers_reused
 
     graph = program.model.graph
     initializers = dict(graph.initializers)

@@ -1,0 +1,162 @@
+"""Weights the model stores narrower than it computes in, converted for the ``.pte`` one at a time.
+
+The command line exports a bfloat16 checkpoint to ExecuTorch in float32 (XNNPACK runs no
+bfloat16). Converted whole before the capture, a Llama-3.2-1B-shaped checkpoint's export held
+its float32 weights from the capture to the save (5.3 GiB peak, against ONNX Runtime GenAI's
+builder's 5.0, which converts a layer at a time); a 3B one would hold 12 GiB. Instead the model
+keeps its linear layers' weights as read and computes in float32
+(:class:`~hfexport.precision.ComputedIn`, for :meth:`ExecutorchTarget.keeps_stored`), so the
+captured and edge programs cast each stored weight. Before the delegation,
+:func:`stored_weights_converted` folds each cast into a float32 weight, written converted a slice
+at a time into an unlinked temporary file the program's tensors then map read-only: their values
+are real, and the pages each reader touches (XNNPACK's hash of a weight, the ``.pte``'s write)
+are handed back to the kernel once read (:func:`pages_released`), so the process holds about one
+float32 weight at a time. Where the temporary directory is memory (tmpfs) or short of room, the
+weights are converted in memory, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+import torch
+
+from hfexport.precision import _page_out, buffers_reused, write_converted
+
+logger = logging.getLogger("hfexport")
+
+# what a spilled tensor carries: the mapping it reads and its place in it
+_MAPPED = "_hfexport_mapped"
+# room left beside the spilled weights in the temporary directory
+_SPARE_BYTES = 1 << 30
+
+
+def _is_stored_cast(node: torch.fx.Node, weight: torch.Tensor) -> bool:
+    """``node`` converts ``weight`` (a placeholder's value) to a row-major float32 tensor of its shape."""
+    name = getattr(node.target, "__name__", str(node.target))
+    value = node.meta.get("val")
+    return (
+        node.op == "call_function"
+        and name.split(".")[-2:] in (["to", "dtype"], ["_to_copy", "default"], ["_to_dim_order_copy", "default"])
+        and isinstance(value, torch.Tensor)
+        and value.dtype == torch.float32
+        and tuple(value.shape) == tuple(weight.shape)
+        and value.is_contiguous()
+    )
+
+
+def stored_weights_converted(program: torch.export.ExportedProgram) -> int:
+    """Fold each parameter of ``program`` that is read only through casts to float32 (a weight
+    the model stores in bfloat16 or float16 and computes in float32) into a float32 parameter of
+    the same name, and return how many were. The new tensors map a temporary file
+    (:func:`_spill_directory`), else are converted in memory. The old tensors (the model's own)
+    are not changed."""
+    parameters = program.graph_signature.inputs_to_parameters
+    folded: list[tuple[torch.fx.Node, str, torch.Tensor]] = []
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or node.name not in parameters:
+            continue
+        value = program.state_dict.get(parameters[node.name])
+        if not isinstance(value, torch.Tensor) or value.dtype not in (torch.bfloat16, torch.float16):
+            continue
+        if node.users and all(_is_stored_cast(user, value) for user in node.users):
+            folded.append((node, parameters[node.name], value))
+    if not folded:
+        return 0
+    sources = [value for _, _, value in folded]
+    for (node, target, _), converted in zip(folded, _converted(sources), strict=True):
+        casts = list(node.users)
+        node.meta["val"] = casts[0].meta["val"]
+        for cast in casts:
+            cast.replace_all_uses_with(node)
+            program.graph.erase_node(cast)
+        program.state_dict[target] = converted
+    program.graph_module.recompile()
+    return len(folded)
+
+
+def _converted(sources: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """``sources`` in float32, as parameters: mapping one temporary file, else in memory."""
+    page = mmap.PAGESIZE
+    offsets, size = [], 0
+    for source in sources:
+        offsets.append(size)
+        size += -(-source.numel() * 4 // page) * page
+    directory = _spill_directory(size)
+    if directory is None:
+        return [torch.nn.Parameter(source.to(torch.float32), requires_grad=False) for source in sources]
+    with tempfile.TemporaryFile(dir=directory) as file, buffers_reused():
+        for source, offset in zip(sources, offsets, strict=True):
+            file.seek(offset)
+            write_converted(source, torch.float32, file)
+            _page_out(source)  # a checkpoint's mapped pages, read again if touched again
+        file.truncate(size)
+        file.flush()
+        mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ)
+    converted = []
+    with warnings.catch_warnings():
+        # read-only on purpose: a write into a weight would fault, not reach the file
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for source, offset in zip(sources, offsets, strict=True):
+            tensor = torch.frombuffer(mapping, dtype=torch.float32, count=source.numel(), offset=offset)
+            parameter = torch.nn.Parameter(tensor.view(source.shape), requires_grad=False)
+            setattr(parameter, _MAPPED, (mapping, offset, source.numel() * 4))
+            converted.append(parameter)
+    logger.info("converted %d stored weights to float32 in %s (%.0f MiB)", len(sources), directory, size / 2**20)
+    return converted
+
+
+def _spill_directory(size: int) -> str | None:
+    """The temporary directory, when it is on a disk (not memory: tmpfs, ramfs) with ``size``
+    bytes to spare and more; None elsewhere and off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    directory = tempfile.gettempdir()
+    try:
+        if shutil.disk_usage(directory).free < size + _SPARE_BYTES:
+            logger.info("converting stored weights in memory: %s has no room for %d MiB", directory, size >> 20)
+            return None
+        filesystem = _filesystem(os.path.realpath(directory))
+    except OSError:
+        return None
+    if filesystem in (None, "tmpfs", "ramfs"):
+        logger.info("converting stored weights in memory: %s is on %s", directory, filesystem)
+        return None
+    return directory
+
+
+def _filesystem(path: str) -> str | None:
+    """The type of the filesystem ``path`` is on (the longest mount point above it)."""
+    best, kind = "", None
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            point = fields[1].replace("\\040", " ")
+            above = path == point or path.startswith(point.rstrip("/") + "/")
+            if above and len(point) >= len(best):
+                best, kind = point, fields[2]
+    return kind
+
+
+def pages_released(tensor: torch.Tensor) -> None:
+    """Hand the pages of ``tensor``'s storage back to the kernel when it maps the temporary file
+    (read again from it if touched again): the process stops counting a weight once read. Any
+    other tensor is left alone."""
+    mapped = getattr(tensor, _MAPPED, None)
+    if mapped is not None:
+        mapping, offset, nbytes = mapped
+        mapping.madvise(mmap.MADV_DONTNEED, offset, nbytes)
+
+
+def mapped(tensor: Any) -> bool:
+    """Whether ``tensor`` maps the temporary file of :func:`stored_weights_converted`."""
+    return getattr(tensor, _MAPPED, None) is not None
