@@ -295,6 +295,79 @@ def test_for_onnx_the_command_line_keeps_the_bfloat16_weights_as_read_and_writes
     np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-5)
 
 
+def test_for_executorch_the_command_line_keeps_the_linear_weights_as_read_and_writes_the_same_pte(
+    tmp_path, monkeypatch
+):
+    """Exporting a bfloat16 checkpoint to ExecuTorch (float32: XNNPACK runs no bfloat16), the
+    command line's model keeps its linear layers' weights as read and computes in float32; the
+    program converts them one at a time into a temporary file its tensors map (a
+    Llama-3.2-1B-shaped export peaked at 5.3 GiB holding its float32 weights from the capture to
+    the save, now 3.4; the builder: 5.0). The ``.pte`` is byte for byte the one the checkpoint
+    converted to float32 beforehand gives. Under quantization every weight is converted first (the
+    pass reads float32 weights), as before."""
+    from transformers import AutoModelForCausalLM
+
+    from hfexport.cli import main
+    from hfexport.precision import in_dtype
+    from hfexport.targets.executorch import stored_weights
+
+    bf16, fp32 = tmp_path / "bf16", tmp_path / "fp32"
+    model = build("tiny-llama", tie_word_embeddings=True, vocab_size=512).to(torch.bfloat16)
+    model.save_pretrained(bf16)
+    model.to(torch.float32).save_pretrained(fp32)
+
+    loaded, _ = in_dtype(AutoModelForCausalLM.from_pretrained(bf16), {}, torch.float32, [ExecutorchConfig()], True)
+    layer = loaded.model.layers[0]
+    assert layer.mlp.down_proj.parametrizations.weight.original.dtype == torch.bfloat16
+    assert layer.input_layernorm.weight.dtype == loaded.model.embed_tokens.weight.dtype == torch.float32
+    quantized = ExecutorchConfig(quantize="8da4w")
+    loaded, _ = in_dtype(AutoModelForCausalLM.from_pretrained(bf16), {}, torch.float32, [quantized], True)
+    assert not hasattr(loaded.model.layers[0].mlp.down_proj, "parametrizations")
+
+    converted = []
+    original = stored_weights._converted
+    monkeypatch.setattr(stored_weights, "_converted", lambda sources: converted.extend(original(sources)) or converted)
+    command = ["export", "--format", "executorch", "--generation"]
+    assert main([command[0], str(bf16), *command[1:], "--out", str(tmp_path / "from-bf16")]) == 0
+    assert len(converted) == 2 * 7 and all(stored_weights.mapped(t) for t in converted)  # 2 layers of 7 linears
+    converted.clear()
+    assert main([command[0], str(fp32), *command[1:], "--out", str(tmp_path / "from-fp32")]) == 0
+    assert not converted
+    pte = [(tmp_path / name / "model.pte").read_bytes() for name in ("from-bf16", "from-fp32")]
+    assert pte[0] == pte[1]
+
+
+def test_stored_weights_map_their_float32_values_and_are_read_again_once_released(tmp_path, monkeypatch):
+    """:func:`stored_weights_converted` folds each cast of a stored weight into a float32 weight
+    that maps a temporary file: the program computes what the model does, before and after the
+    pages it read were handed back. On a temporary directory in memory (tmpfs) the weights are
+    converted in memory instead."""
+    import tempfile
+
+    from hfexport.precision import converted_in_place
+    from hfexport.targets.executorch.stored_weights import mapped, pages_released, stored_weights_converted
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4, bias=False))
+    model = converted_in_place(model.to(torch.bfloat16), torch.float32, keep_stored=True)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = model(x)
+    for directory, spilled in ((str(tmp_path), True), ("/dev/shm", False)):
+        monkeypatch.setattr(tempfile, "tempdir", directory)
+        program = torch.export.export(model, (x,))
+        assert stored_weights_converted(program) == 2  # the first layer's bias and the second's weight
+        casts = [n for n in program.graph.nodes if n.op == "call_function" and "to" in str(n.target).split(".")[1:2]]
+        assert not casts
+        weights = [t for t in program.state_dict.values() if t.dtype == torch.float32]
+        assert len(weights) == 3 and sum(mapped(t) for t in weights) == (2 if spilled else 0)
+        torch.testing.assert_close(program.module()(x), want, rtol=0, atol=0)
+        for weight in weights:
+            pages_released(weight)
+        torch.testing.assert_close(program.module()(x), want, rtol=0, atol=0)
+    assert next(model[2].parameters()).dtype == torch.bfloat16  # the model's own are not changed
+
+
 def test_a_model_kept_stored_reports_the_dtype_it_computes_in_from_its_first_parameter():
     """transformers' ``PreTrainedModel.dtype`` is its first floating-point parameter's, and models
     cast their inputs and masks to it: kept as read, a bias-less first linear layer's bfloat16

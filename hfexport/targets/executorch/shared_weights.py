@@ -109,16 +109,27 @@ class WeightCheckedProgram(ExecutorchProgramManager):
 
     def write_to_file(self, open_file: Any) -> None:
         self._check_weights()
-        for piece in self._pte_data._buffers:
-            open_file.write(piece)
-            if isinstance(piece, memoryview) and isinstance(piece.obj, _WeightBytes):
-                pages_released(piece.obj.tensor)
+        super().write_to_file(_ReleasingWhatItWrites(open_file))
 
     @property
     def buffer(self) -> bytes:
         if self._buffer is None:
             self._check_weights()
         return super().buffer
+
+
+class _ReleasingWhatItWrites:
+    """A file whose ``write`` of a weight's view then releases the weight's pages
+    (:func:`~hfexport.targets.executorch.stored_weights.pages_released`)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+
+    def write(self, piece: Any) -> int:
+        written = self.file.write(piece)
+        if isinstance(piece, memoryview) and isinstance(piece.obj, _WeightBytes):
+            pages_released(piece.obj.tensor)
+        return written
 
 
 def _bytes_viewing_weights(original: Any) -> Any:

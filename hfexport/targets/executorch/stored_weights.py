@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -32,8 +33,10 @@ from hfexport.precision import _page_out, buffers_reused, write_converted
 
 logger = logging.getLogger("hfexport")
 
-# what a spilled tensor carries: the mapping it reads and its place in it
-_MAPPED = "_hfexport_mapped"
+# each live tensor mapping the temporary file, by id: the mapping, and its place in it
+_MAPPED: dict[int, tuple[mmap.mmap, int, int]] = {}
+# what a strict capture asserts of each weight it reads, its old dtype among it
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 # room left beside the spilled weights in the temporary directory
 _SPARE_BYTES = 1 << 30
 
@@ -66,17 +69,18 @@ def stored_weights_converted(program: torch.export.ExportedProgram) -> int:
         value = program.state_dict.get(parameters[node.name])
         if not isinstance(value, torch.Tensor) or value.dtype not in (torch.bfloat16, torch.float16):
             continue
-        if node.users and all(_is_stored_cast(user, value) for user in node.users):
+        casts = [user for user in node.users if user.target is not _ASSERT_METADATA]
+        if casts and all(_is_stored_cast(user, value) for user in casts):
             folded.append((node, parameters[node.name], value))
     if not folded:
         return 0
     sources = [value for _, _, value in folded]
     for (node, target, _), converted in zip(folded, _converted(sources), strict=True):
-        casts = list(node.users)
+        casts = [user for user in node.users if user.target is not _ASSERT_METADATA]
         node.meta["val"] = casts[0].meta["val"]
-        for cast in casts:
-            cast.replace_all_uses_with(node)
-            program.graph.erase_node(cast)
+        for user in list(node.users):
+            user.replace_all_uses_with(node)  # a cast's users; an assertion of the old dtype has none
+            program.graph.erase_node(user)
         program.state_dict[target] = converted
     program.graph_module.recompile()
     return len(folded)
@@ -107,7 +111,8 @@ def _converted(sources: list[torch.Tensor]) -> list[torch.nn.Parameter]:
         for source, offset in zip(sources, offsets, strict=True):
             tensor = torch.frombuffer(mapping, dtype=torch.float32, count=source.numel(), offset=offset)
             parameter = torch.nn.Parameter(tensor.view(source.shape), requires_grad=False)
-            setattr(parameter, _MAPPED, (mapping, offset, source.numel() * 4))
+            _MAPPED[id(parameter)] = (mapping, offset, source.numel() * 4)
+            weakref.finalize(parameter, _MAPPED.pop, id(parameter), None)
             converted.append(parameter)
     logger.info("converted %d stored weights to float32 in %s (%.0f MiB)", len(sources), directory, size / 2**20)
     return converted
@@ -151,12 +156,12 @@ def pages_released(tensor: torch.Tensor) -> None:
     """Hand the pages of ``tensor``'s storage back to the kernel when it maps the temporary file
     (read again from it if touched again): the process stops counting a weight once read. Any
     other tensor is left alone."""
-    mapped = getattr(tensor, _MAPPED, None)
-    if mapped is not None:
-        mapping, offset, nbytes = mapped
+    place = _MAPPED.get(id(tensor))
+    if place is not None:
+        mapping, offset, nbytes = place
         mapping.madvise(mmap.MADV_DONTNEED, offset, nbytes)
 
 
 def mapped(tensor: Any) -> bool:
     """Whether ``tensor`` maps the temporary file of :func:`stored_weights_converted`."""
-    return getattr(tensor, _MAPPED, None) is not None
+    return id(tensor) in _MAPPED
