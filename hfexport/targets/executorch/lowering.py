@@ -218,19 +218,12 @@ def to_edge(program: torch.export.ExportedProgram, partitioners: list[Any]) -> A
     (linear, SDPA, … for XNNPACK), exactly as ``to_edge_transform_and_lower`` does before it
     delegates; the rewrites of the edge program are the ``edge_passes`` stage's passes
     (:mod:`hfexport.targets.executorch.passes.edge`), and the delegation is its own stage, so
-    each can be dumped and timed.
-
-    First the weights the model stores narrower than it computes in are converted
-    (:func:`~hfexport.targets.executorch.stored_weights.stored_weights_converted`): the
-    partitioners keep a linear layer whole only when its weight is a parameter, not a cast."""
+    each can be dumped and timed."""
     from executorch.exir import EdgeCompileConfig
     from executorch.exir.program._program import _gen_edge_manager_for_partitioners
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from hfexport.targets.executorch.stored_weights import stored_weights_converted
-
     refuse_scans_over_a_dynamic_state(program)
-    stored_weights_converted(program)
     config = EdgeCompileConfig(_check_ir_validity=False)
     # Decompose SDPA with the math backend: the CPU fused kernel's decomposition lays its output
     # out differently from what capture recorded, and a view after it (GPT-2's Conv1D) then

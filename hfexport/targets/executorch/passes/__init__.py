@@ -14,6 +14,7 @@ from hfexport.targets.executorch.passes.edge import DEFAULT_EDGE_PASSES
 
 DEFAULT_PASSES: tuple[str, ...] = (
     *CLEANUP_PASSES,
+    "stored_weights_as_float32",
     "complex_as_real",
     "grouped_mm_to_batched_mm",
     "whole_input_convolutions_as_linear",

@@ -35,6 +35,26 @@ def _last_axis_mean(node: torch.fx.Node) -> int | None:
 
 
 @register_pass(
+    name="stored_weights_as_float32",
+    remove_when=(
+        "Without it, the linear layers of a bfloat16 checkpoint the command line exports read their weights through a "
+        "cast: to_edge decomposes them and XNNPACK takes none."
+    ),
+)
+def stored_weights_as_float32(program: Any) -> PassResult:
+    """Fold each cast to float32 of a weight the model stores narrower than it computes in (the
+    command line keeps a bfloat16 checkpoint's linear weights as read,
+    :meth:`~hfexport.targets.executorch.ExecutorchTarget.keeps_stored`) into a float32 weight,
+    converted one at a time into a temporary file the program maps
+    (:func:`~hfexport.targets.executorch.stored_weights.stored_weights_converted`). XNNPACK keeps a
+    linear layer whole only when its weight is a parameter, not a cast; the values are the same."""
+    from hfexport.targets.executorch.stored_weights import stored_weights_converted
+
+    converted = stored_weights_converted(program)
+    return PassResult(program, modified=converted > 0, counts={"converted": converted})
+
+
+@register_pass(
     name="last_axis_mean_as_linear",
     remove_when=("Without it, each RMSNorm's mean is a portable kernel splitting every delegated layer in three."),
 )
