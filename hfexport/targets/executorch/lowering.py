@@ -25,6 +25,7 @@ from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_
 from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.patches import patches_applied, register_patch
 from hfexport.pipeline.pipeline import PipelineRun
+from hfexport.targets.executorch import retraces  # noqa: F401  (registers the delegate stage's patch)
 from hfexport.targets.executorch.shared_weights import WeightCheckedProgram, weights_viewed
 from hfexport.targets.manifest import STATE_PREFIX, kept_inside
 from hfexport.versions import require_backend
