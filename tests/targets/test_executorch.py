@@ -246,6 +246,38 @@ def test_delegation_summary_shows_linear_layers_on_xnnpack(tmp_path):
     assert (tmp_path / "06_to_executorch" / "program.pte").is_file()
 
 
+def test_xnnpack_re_traces_a_partition_only_when_one_of_its_passes_changed_it(monkeypatch):
+    # XNNPACK's preprocess ran 17 passes over each partition, 14 of which re-traced it whole and
+    # reported it modified whatever they found (a Llama-3.2-1B-shaped export: 10 of its 17
+    # delegate seconds). A pass that finds nothing now leaves the graph the last re-trace made;
+    # one that rewrites it (the ReLU fused into the linear layer before it) re-traces it
+    from executorch.exir.pass_base import _ExportPassBase
+
+    traced = []
+    retrace = _ExportPassBase.call
+
+    def counted(self, graph_module):
+        if type(self).__module__.startswith("executorch.backends.xnnpack."):
+            traced.append(type(self).__name__)
+        return retrace(self, graph_module)
+
+    monkeypatch.setattr(_ExportPassBase, "call", counted)  # under the patch: the re-traces that run
+    model = build("tiny-llama")
+    result = ExecutorchExporter().run(model, sample_inputs(model), ExecutorchConfig(dynamic=True, verify=True))
+    partitions = result.record("delegate").counts["delegated_nodes"] and len(
+        result.program.executorch_program.execution_plan[0].delegates
+    )
+    assert partitions and len(traced) <= partitions, (partitions, sorted(set(traced)))  # 14 each before
+    assert result.record("to_executorch").max_abs_diff <= 1e-4
+
+    traced.clear()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()
+    result = ExecutorchExporter().run(layers, {"input": torch.randn(2, 8)}, ExecutorchConfig(verify=True))
+    assert "FuseActivationPass" in traced
+    assert result.record("to_executorch").max_abs_diff <= 1e-5
+
+
 def test_portable_backend_delegates_nothing_and_matches():
     model = build("tiny-llama")
     result = ExecutorchExporter().run(

@@ -309,7 +309,6 @@ def test_for_executorch_the_command_line_keeps_the_linear_weights_as_read_and_wr
 
     from hfexport.cli import main
     from hfexport.precision import in_dtype
-    from hfexport.targets.executorch import stored_weights
 
     bf16, fp32 = tmp_path / "bf16", tmp_path / "fp32"
     model = build("tiny-llama", tie_word_embeddings=True, vocab_size=512).to(torch.bfloat16)
@@ -323,6 +322,8 @@ def test_for_executorch_the_command_line_keeps_the_linear_weights_as_read_and_wr
     quantized = ExecutorchConfig(quantize="8da4w")
     loaded, _ = in_dtype(AutoModelForCausalLM.from_pretrained(bf16), {}, torch.float32, [quantized], True)
     assert not hasattr(loaded.model.layers[0].mlp.down_proj, "parametrizations")
+
+    from hfexport.targets.executorch import stored_weights
 
     converted = []
     original = stored_weights._converted
