@@ -274,16 +274,17 @@ def test_a_weight_made_when_written_goes_out_in_slices_with_the_whole_conversion
     it is the same tensor."""
     import io
 
+    import hfexport.precision
     import hfexport.targets.onnx.initializers as initializers
 
-    monkeypatch.setattr(initializers, "_SLICE_BYTES", 3 * 40 * 4)  # three rows of 40 float32 values
+    monkeypatch.setattr(hfexport.precision, "_SLICE_BYTES", 3 * 40 * 4)  # three rows of 40 float32 values
     stored = torch.randn(40, 16).to(torch.bfloat16)
     source = stored.t() if layout == "transposed" else stored
     want = source.to(torch.float32).contiguous().numpy()
     tensor = initializers.MadeWhenWritten(source, torch.float32)
     for reused in (False, True):
         file = io.BytesIO()
-        with initializers.buffers_reused() if reused else contextlib.nullcontext():
+        with hfexport.precision.buffers_reused() if reused else contextlib.nullcontext():
             tensor.tofile(file)
             tensor.tofile(file)  # a second weight through the same buffers
         assert file.getvalue() == want.tobytes() * 2
