@@ -75,6 +75,8 @@ def stored_weights_converted(program: torch.export.ExportedProgram) -> int:
     if not folded:
         return 0
     sources = [value for _, _, value in folded]
+    # a program copied for one more target (a shared capture's) shares its state_dict
+    program._state_dict = dict(program.state_dict)
     for (node, target, _), converted in zip(folded, _converted(sources), strict=True):
         casts = [user for user in node.users if user.target is not _ASSERT_METADATA]
         node.meta["val"] = casts[0].meta["val"]
