@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
+import hfexport.targets.executorch.retraces  # noqa: F401  (registers the delegate stage's patch)
 from hfexport.configs import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN
 from hfexport.errors import ConfigError, UnsupportedModelError
 from hfexport.pipeline.artifacts import ArtifactKind, graph_histogram, register_artifact_kind
 from hfexport.pipeline.dynamic_shapes import AxisBounds
 from hfexport.pipeline.patches import patches_applied, register_patch
 from hfexport.pipeline.pipeline import PipelineRun
-from hfexport.targets.executorch import retraces  # noqa: F401  (registers the delegate stage's patch)
 from hfexport.targets.executorch.shared_weights import WeightCheckedProgram, weights_viewed
 from hfexport.targets.manifest import STATE_PREFIX, kept_inside
 from hfexport.versions import require_backend
