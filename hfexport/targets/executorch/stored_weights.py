@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hfexport.precision import _page_out, buffers_reused, write_converted
+from hfexport.precision import buffers_reused, write_converted
 
 logger = logging.getLogger("hfexport")
 
@@ -60,7 +60,8 @@ def stored_weights_converted(program: torch.export.ExportedProgram) -> int:
     the model stores in bfloat16 or float16 and computes in float32) into a float32 parameter of
     the same name, and return how many were. The new tensors map a temporary file
     (:func:`_spill_directory`), else are converted in memory. The old tensors (the model's own)
-    are not changed."""
+    are not changed; the command line's model lets them go after the ``fx_passes`` stage, as it
+    does any weight a pass dropped."""
     parameters = program.graph_signature.inputs_to_parameters
     folded: list[tuple[torch.fx.Node, str, torch.Tensor]] = []
     for node in program.graph.nodes:
@@ -102,7 +103,6 @@ def _converted(sources: list[torch.Tensor]) -> list[torch.nn.Parameter]:
         for source, offset in zip(sources, offsets, strict=True):
             file.seek(offset)
             write_converted(source, torch.float32, file)
-            _page_out(source)  # a checkpoint's mapped pages, read again if touched again
         file.truncate(size)
         file.flush()
         mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ)
