@@ -327,7 +327,13 @@ def test_for_executorch_the_command_line_keeps_the_linear_weights_as_read_and_wr
 
     converted = []
     original = stored_weights._converted
-    monkeypatch.setattr(stored_weights, "_converted", lambda sources: converted.extend(original(sources)) or converted)
+
+    def recorded(sources):
+        made = original(sources)
+        converted.extend(made)
+        return made
+
+    monkeypatch.setattr(stored_weights, "_converted", recorded)
     command = ["export", "--format", "executorch", "--generation"]
     assert main([command[0], str(bf16), *command[1:], "--out", str(tmp_path / "from-bf16")]) == 0
     assert len(converted) == 2 * 7 and all(stored_weights.mapped(t) for t in converted)  # 2 layers of 7 linears
