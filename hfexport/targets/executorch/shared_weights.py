@@ -9,10 +9,12 @@ the ``.pte`` is assembled from are read-only views of them (:func:`weights_viewe
 ``.pte``'s ``Cord`` writes out as they are. The file is byte for byte the same.
 
 The views read the program's live tensors, which are the model's own (a quantized weight is a new
-tensor and is copied as before). Nothing in the lowering writes into one (XNNPACK's passes and node
-visitors replace a constant with a new tensor); a weight changed in place after the export (an
-optimizer step, ``load_state_dict``) would reach the saved file, so :class:`WeightCheckedProgram`
-refuses to write the program then, by the tensors' version counters.
+tensor and is copied as before; a weight the model stores narrower than it computes in is the
+program's converted copy, mapping a temporary file whose pages are released once a view of it was
+read: :mod:`~hfexport.targets.executorch.stored_weights`). Nothing in the lowering writes into one
+(XNNPACK's passes and node visitors replace a constant with a new tensor); a weight changed in
+place after the export (an optimizer step, ``load_state_dict``) would reach the saved file, so
+:class:`WeightCheckedProgram` refuses to write the program then, by the tensors' version counters.
 """
 
 from __future__ import annotations
