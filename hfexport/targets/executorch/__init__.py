@@ -39,9 +39,9 @@ class ExecutorchTarget(Target):
         return super().why_auto_converts(config, dtype)
 
     def keeps_stored(self, config: Any, module: torch.nn.Module) -> bool:
-        # a linear layer's: the delegate stage converts its weight for the program one at a time
-        # (stored_weights.py). Not under quantization, whose pass reads the float32 weights the
-        # capture holds, nor for other modules (FX passes rewrite convolutions' weights)
+        # a linear layer's: the stored_weights_as_float32 pass converts its weight for the program
+        # one at a time (stored_weights.py). Not under quantization, whose pass reads the float32
+        # weights the capture holds, nor for other modules (FX passes rewrite convolutions' weights)
         return not config.quantize and isinstance(module, torch.nn.Linear)
 
     def pass_list(self, config: Any) -> list[Any]:

@@ -14,6 +14,7 @@ re-tracing it again would make the same graph. The first re-trace of each partit
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -49,6 +50,7 @@ def _graph_as_written(graph: torch.fx.Graph) -> list[tuple[Any, ...]]:
     return [(node.op, node.name, node.target, named(node.args), named(node.kwargs)) for node in graph.nodes]
 
 
+@functools.cache
 def _rewrites_before_retracing(pass_type: type) -> bool:
     from executorch.exir.pass_base import ExportPass
 

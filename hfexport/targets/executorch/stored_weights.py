@@ -47,7 +47,7 @@ def _is_stored_cast(node: torch.fx.Node, weight: torch.Tensor) -> bool:
     value = node.meta.get("val")
     return (
         node.op == "call_function"
-        and name.split(".")[-2:] in (["to", "dtype"], ["_to_copy", "default"], ["_to_dim_order_copy", "default"])
+        and name.split(".")[-2:] in (["to", "dtype"], ["_to_copy", "default"])
         and isinstance(value, torch.Tensor)
         and value.dtype == torch.float32
         and tuple(value.shape) == tuple(weight.shape)
@@ -63,7 +63,7 @@ def stored_weights_converted(program: torch.export.ExportedProgram) -> int:
     are not changed; the command line's model lets them go after the ``fx_passes`` stage, as it
     does any weight a pass dropped."""
     parameters = program.graph_signature.inputs_to_parameters
-    folded: list[tuple[torch.fx.Node, str, torch.Tensor]] = []
+    folded: list[tuple[torch.fx.Node, str, torch.Tensor, list[torch.fx.Node]]] = []
     for node in program.graph.nodes:
         if node.op != "placeholder" or node.name not in parameters:
             continue
@@ -72,14 +72,13 @@ def stored_weights_converted(program: torch.export.ExportedProgram) -> int:
             continue
         casts = [user for user in node.users if user.target is not _ASSERT_METADATA]
         if casts and all(_is_stored_cast(user, value) for user in casts):
-            folded.append((node, parameters[node.name], value))
+            folded.append((node, parameters[node.name], value, casts))
     if not folded:
         return 0
-    sources = [value for _, _, value in folded]
+    sources = [value for _, _, value, _ in folded]
     # a program copied for one more target (a shared capture's) shares its state_dict
     program._state_dict = dict(program.state_dict)
-    for (node, target, _), converted in zip(folded, _converted(sources), strict=True):
-        casts = [user for user in node.users if user.target is not _ASSERT_METADATA]
+    for (node, target, _, casts), converted in zip(folded, _converted(sources), strict=True):
         node.meta["val"] = casts[0].meta["val"]
         for user in list(node.users):
             user.replace_all_uses_with(node)  # a cast's users; an assertion of the old dtype has none
