@@ -214,6 +214,63 @@ def _lifted_constants_in_placeholder_order(original: Any) -> Any:
     return lift_constant_tensor_pass
 
 
+@register_patch(
+    "torch.export.exported_program:ExportedProgram.run_decompositions",
+    name="edge_decomposes_once",
+    reason=(
+        "ExecuTorch's edge conversion re-traces the whole program three times: to functionalize it, to decompose "
+        "it keeping the partitioners' ops, and to decompose those of them the partitioners then refuse (a "
+        "Llama-3.2-1B-shaped export: 3.5 s each in float32; an 8da4w one re-runs torchao's quantization "
+        "primitives each time). to_edge decomposes once itself; a program in the ATen dialect with no op the "
+        "table decomposes comes out of a re-trace as it went in, so that re-trace is skipped"
+    ),
+    upstream="https://github.com/pytorch/executorch/blob/v1.4.1/exir/program/_program.py#L1113",
+    scope="to_edge",
+)
+def _decomposing_only_what_is_left(original: Any) -> Any:
+    @functools.wraps(original)
+    def run_decompositions(self: Any, decomp_table: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if decomp_table is not None and self.dialect == "ATEN" and not _decomposes_any(self, decomp_table):
+            return self
+        return original(self, decomp_table, *args, **kwargs)
+
+    return run_decompositions
+
+
+def _decomposes_any(program: torch.export.ExportedProgram, table: Any) -> bool:
+    """Whether a node of ``program`` (its control flow's subgraphs too) calls an op ``table`` decomposes."""
+    # a dynamic size's query stays one: a re-trace records it again
+    ops = set(table.keys()) - {
+        torch.ops.aten.sym_size.int,
+        torch.ops.aten.sym_stride.int,
+        torch.ops.aten.sym_numel.default,
+        torch.ops.aten.sym_storage_offset.default,
+    }
+    return any(
+        node.op == "call_function" and node.target in ops
+        for module in program.graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    )
+
+
+def _first_decomposition_table(program: torch.export.ExportedProgram, partitioners: list[Any], config: Any) -> Any:
+    """The table ExecuTorch's edge conversion decomposes with first: its default one without the
+    ops the first partitioner keeps whole (none: without the config's preserved ops)."""
+    from executorch.exir.program._program import _remove_invalid_ops_for_not_decompose
+    from executorch.exir.tracer import _default_decomposition_table
+
+    table = _default_decomposition_table()
+    kept = list(config.preserve_ops)
+    if partitioners:
+        kept, check_op_support = partitioners[0].ops_to_not_decompose(program)
+        if check_op_support is not None:
+            kept = _remove_invalid_ops_for_not_decompose(kept)
+    for op in kept:
+        table.pop(op, None)
+    return table
+
+
 def to_edge(program: torch.export.ExportedProgram, partitioners: list[Any]) -> Any:
     """ATen → ExecuTorch edge dialect, keeping whole the ops the partitioners take undecomposed
     (linear, SDPA, … for XNNPACK), exactly as ``to_edge_transform_and_lower`` does before it
@@ -229,8 +286,11 @@ def to_edge(program: torch.export.ExportedProgram, partitioners: list[Any]) -> A
     # Decompose SDPA with the math backend: the CPU fused kernel's decomposition lays its output
     # out differently from what capture recorded, and a view after it (GPT-2's Conv1D) then
     # fails with "Cannot view a tensor with shape ... and strides ..." (pytorch/pytorch#136543).
-    fixes = ["matmul_fold_without_guards", "lifted_constants_in_placeholder_order"]
+    fixes = ["matmul_fold_without_guards", "lifted_constants_in_placeholder_order", "edge_decomposes_once"]
     with sdpa_kernel(SDPBackend.MATH), patches_applied(fixes, scope=None):
+        # functionalized and decomposed in one re-trace; ExecuTorch's own decompositions then
+        # re-trace only if the partitioners refuse some of the ops kept whole
+        program = program.run_decompositions(_first_decomposition_table(program, partitioners, config))
         return _gen_edge_manager_for_partitioners({"forward": partitioners}, {"forward": program}, config, None, False)
 
 
