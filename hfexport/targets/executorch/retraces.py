@@ -15,7 +15,9 @@ re-tracing it again would make the same graph. The first re-trace of each partit
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -88,3 +90,117 @@ def _retracing_only_changed_graphs(original: Any) -> Any:
         return result
 
     return call
+
+
+def _metadata_key(value: Any) -> Any:
+    """What a fake tensor's op result can depend on in ``value``: a tensor's sizes, strides
+    (symbolic ones as their expressions), dtype and device; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", _symbolic(value.shape), _symbolic(value.stride()), value.dtype, value.device)
+    if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return ("symbol", str(value.node.expr))
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, tuple(_metadata_key(item) for item in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((name, _metadata_key(item)) for name, item in value.items()))
+    return value
+
+
+def _symbolic(sizes: Any) -> tuple[Any, ...]:
+    return tuple(str(size.node.expr) if isinstance(size, torch.SymInt) else int(size) for size in sizes)
+
+
+def _quantization_ops() -> frozenset[Any]:
+    """torchao's quantization ops, when torchao defined them (a program without torchao has none)."""
+    if "torchao.quantization.quant_primitives" not in sys.modules:
+        return frozenset()
+    return _torchao_quantization_ops()
+
+
+@functools.cache
+def _torchao_quantization_ops() -> frozenset[Any]:
+    ops = torch.ops.torchao
+    return frozenset({ops.choose_qparams_affine.default, ops.quantize_affine.default, ops.dequantize_affine.default})
+
+
+# per shape environment (its symbols are the keys'; each re-trace makes a fake mode of its own over
+# the program's one), by id while it lives: a call's inputs' metadata → its results' (their tree,
+# and each tensor's sizes, strides, dtype and device)
+_RESULTS: dict[int, dict[Any, Any]] = {}
+
+
+def _fake_results(op: Any, args: Any, kwargs: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()``, the call of torchao quantization op ``op`` (of :func:`_quantization_ops`) on
+    ``args`` and ``kwargs``, or, when they are fake tensors (and metadata) an earlier call in the
+    same shape environment took, fake tensors of that call's results' metadata."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils import _pytree as pytree
+
+    tensors = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+    if not tensors or not all(isinstance(t, FakeTensor) for t in tensors):
+        return compute()
+    mode = tensors[0].fake_mode
+    if mode.propagate_real_tensors or any(t.fake_mode is not mode for t in tensors):
+        return compute()
+    if id(mode.shape_env) not in _RESULTS:
+        if mode.shape_env is not None:
+            weakref.finalize(mode.shape_env, _RESULTS.pop, id(mode.shape_env), None)
+        _RESULTS[id(mode.shape_env)] = {}
+    made = _RESULTS[id(mode.shape_env)]
+    key = (op, _metadata_key(args), _metadata_key(kwargs))
+    if key in made:
+        spec, metadata = made[key]
+        results = [
+            tensors[0].new_empty_strided(shape, stride, dtype=dtype, device=device)
+            for shape, stride, dtype, device in metadata
+        ]
+        return pytree.tree_unflatten(results, spec)
+    result = compute()
+    results, spec = pytree.tree_flatten(result)
+    if all(isinstance(r, FakeTensor) for r in results):
+        made[key] = (spec, [(r.shape, r.stride(), r.dtype, r.device) for r in results])
+    return result
+
+
+def _dispatched_results_reused(original: Any) -> Any:
+    def _dispatch_impl(self: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        if func not in _quantization_ops():
+            return original(self, func, types, args, kwargs)
+        return _fake_results(func, args, kwargs, lambda: original(self, func, types, args, kwargs))
+
+    return _dispatch_impl
+
+
+def _called_results_reused(original: Any) -> Any:
+    def call_function(self: Any, target: Any, args: Any, kwargs: Any) -> Any:
+        # an edge-dialect op wraps its ATen (or torchao) op
+        op = target if isinstance(target, torch._ops.OpOverload) else getattr(target, "_op", target)
+        if op not in _quantization_ops():
+            return original(self, target, args, kwargs)
+        return _fake_results(op, args, kwargs, lambda: original(self, target, args, kwargs))
+
+    return call_function
+
+
+_FAKE_RESULTS_REASON = (
+    "each re-trace of an 8da4w program (ExecuTorch's edge passes, XNNPACK's preprocess, the emitter's passes, and "
+    "the delegates' original programs each of those re-runs) runs torchao's quantization ops' Python "
+    "decompositions under fake tensors only to learn their results' sizes: about 22 of a Llama-3.2-1B-shaped "
+    "8da4w export's 57 lowering seconds. A call with the inputs' metadata of an earlier one in the same shape "
+    "environment takes that one's results' metadata"
+)
+# where the fake mode meets the op (a delegate's program run for its outputs), and where an
+# ExportPass re-trace calls it (its dispatcher runs the Python decomposition before the fake mode)
+for _target, _name, _make in (
+    ("torch._subclasses.fake_tensor:FakeTensorMode._dispatch_impl", "dispatched", _dispatched_results_reused),
+    ("torch.fx.interpreter:Interpreter.call_function", "called", _called_results_reused),
+):
+    for _scope in ("to_edge", "delegate", "to_executorch"):
+        register_patch(
+            _target,
+            name=f"torchao_{_name}_fake_results_reused_in_{_scope}",
+            reason=_FAKE_RESULTS_REASON,
+            # torchao registers the ops' Python code as their CompositeImplicitAutograd kernels
+            upstream="https://github.com/pytorch/ao/blob/v0.18.0/torchao/utils.py#L209",
+            scope=_scope,
+        )(_make)
