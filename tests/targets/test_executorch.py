@@ -501,6 +501,9 @@ def test_spec_example_with_the_real_qwen3_config_values_loads_and_runs(tmp_path,
 
 
 def test_a_program_writing_its_input_in_place_lowers_without_whole_tensor_copies():
+    from executorch.exir import EdgeCompileConfig
+    from executorch.exir.program._program import _gen_edge_manager_for_partitioners
+
     from hfexport.pipeline.pass_manager import get_pass
     from hfexport.targets.executorch.lowering import partitioners, to_edge
 
@@ -510,26 +513,33 @@ def test_a_program_writing_its_input_in_place_lowers_without_whole_tensor_copies
             return cache.sum(-1)
 
     cache, slots, states = torch.zeros(1, 2, 16, 4), torch.tensor([3, 4]), torch.randn(1, 2, 2, 4)
-    program = torch.export.export(CacheWrite(), (), {"cache": cache.clone(), "slots": slots, "states": states})
-    edge = to_edge(program, partitioners("xnnpack"))
+    written = cache.clone()
+    expected = CacheWrite()(written, slots, states)
 
-    def ops():
+    def program():
+        return torch.export.export(CacheWrite(), (), {"cache": cache.clone(), "slots": slots, "states": states})
+
+    def ops(edge):
         graph = edge.exported_program().graph
         return [getattr(n.target, "_name", "") for n in graph.nodes if n.op == "call_function"]
 
-    # the partitioners' decomposition left two copy(cache, new value) per written input, which the
-    # edge pass drop_same_layout_copies removes
-    assert ops().count("aten::copy") == 2
-    result = get_pass("drop_same_layout_copies")(edge)
-    assert result.program is edge and result.counts == {"rewritten": 2}
-    assert ops().count("aten::copy") == 0 and ops().count("aten::index_put") == 1
-
-    written = cache.clone()
-    expected = CacheWrite()(written, slots, states)
-    lowered = edge.to_executorch()
-    got, write_back = ExecutorchRunner(lowered).run({"cache": cache.clone(), "slots": slots, "states": states})[::-1]
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    torch.testing.assert_close(write_back, written, rtol=0, atol=0)
+    # ExecuTorch's own conversion (functionalized, then decomposed) leaves two copy(cache, new
+    # value) per written input, which the edge pass drop_same_layout_copies removes; to_edge,
+    # which functionalizes and decomposes in one re-trace, leaves none
+    xnnpack = partitioners("xnnpack")
+    upstream = _gen_edge_manager_for_partitioners(
+        {"forward": xnnpack}, {"forward": program()}, EdgeCompileConfig(_check_ir_validity=False), None, False
+    )
+    assert ops(upstream).count("aten::copy") == 2
+    result = get_pass("drop_same_layout_copies")(upstream)
+    assert result.program is upstream and result.counts == {"rewritten": 2}
+    edge = to_edge(program(), xnnpack)
+    for lowered in (upstream, edge):
+        assert ops(lowered).count("aten::copy") == 0 and ops(lowered).count("aten::index_put") == 1
+        run = ExecutorchRunner(lowered.to_executorch()).run
+        got, write_back = run({"cache": cache.clone(), "slots": slots, "states": states})[::-1]
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(write_back, written, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
