@@ -137,7 +137,7 @@ def _write_state_in_place(program: torch.export.ExportedProgram, inputs: list[An
             continue
         write = values[index]
         buffer = placeholders.get(next(s.arg.name for s in inputs if s.target == spec.target))
-        # to_edge's functionalisation writes it back through copy(buffer, copy(buffer, write)):
+        # ExecuTorch's own edge conversion writes it back through copy(buffer, copy(buffer, write)):
         # the copies keep the write's values, and drop_same_layout_copies removes them later
         while edge_op(write, "aten::copy") and write.args[0] is buffer and isinstance(write.args[1], torch.fx.Node):
             write = write.args[1]

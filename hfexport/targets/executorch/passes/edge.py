@@ -233,10 +233,12 @@ def drop_same_layout_copies(program: torch.export.ExportedProgram) -> int:
     """Replace each functional ``copy(like, src)`` whose ``like`` has ``src``'s shape, strides and
     dtype by ``src`` itself (the values are ``src``'s), and return how many went.
 
-    Decomposing a program that writes its inputs in place (a static cache) for the partitioners
-    functionalises it twice, and each round leaves a ``copy(cache, new value)`` per written input:
-    two whole-cache copies per layer and step. Only a ``src`` computed in the graph qualifies: a
-    program input may be written back before a user of the copy runs (pytorch/pytorch#198131)."""
+    ExecuTorch's own edge conversion functionalises a program that writes its inputs in place (a
+    static cache) and then decomposes it, and each round leaves a ``copy(cache, new value)`` per
+    written input: two whole-cache copies per layer and step. The ``to_edge`` stage does both in one
+    re-trace and leaves none; an edge program ExecuTorch converted still has them. Only a ``src``
+    computed in the graph qualifies: a program input may be written back before a user of the copy
+    runs (pytorch/pytorch#198131)."""
     graph = program.graph_module.graph
     dropped = 0
     for node in list(graph.nodes):
