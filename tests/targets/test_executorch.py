@@ -276,6 +276,19 @@ def test_xnnpack_re_traces_a_partition_only_when_one_of_its_passes_changed_it(mo
     assert result.record("to_executorch").max_abs_diff <= 1e-5
 
 
+def _calls_counted(monkeypatch, owner, name: str) -> list:
+    """The calls of ``owner.name`` from now on, an entry each (the function still runs)."""
+    calls = []
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def test_an_8da4w_lowering_runs_torchaos_quantization_code_once_per_shape_and_writes_the_same_pte(
     monkeypatch, tmp_path
 ):
@@ -287,14 +300,7 @@ def test_an_8da4w_lowering_runs_torchaos_quantization_code_once_per_shape_and_wr
 
     from hfexport.targets.executorch import retraces
 
-    ran = []
-    quantize = primitives._quantize_affine_no_dtype_cast
-
-    def counted(*args, **kwargs):
-        ran.append(1)
-        return quantize(*args, **kwargs)
-
-    monkeypatch.setattr(primitives, "_quantize_affine_no_dtype_cast", counted)
+    ran = _calls_counted(monkeypatch, primitives, "_quantize_affine_no_dtype_cast")
     model = build("tiny-llama")
     inputs = sample_inputs(model, 1, 8)
     written = {}
@@ -338,14 +344,7 @@ def test_to_edge_decomposes_once_and_again_only_when_the_partitioner_refuses_an_
 
     from hfexport.targets.executorch import lowering
 
-    decompositions = []
-    decompose = exported_program._decompose_exported_program
-
-    def counted(*args, **kwargs):
-        decompositions.append(1)
-        return decompose(*args, **kwargs)
-
-    monkeypatch.setattr(exported_program, "_decompose_exported_program", counted)
+    decompositions = _calls_counted(monkeypatch, exported_program, "_decompose_exported_program")
     torch.manual_seed(0)
     model, x = _Accumulating().eval(), torch.randn(2, 8)
     expected = copy.deepcopy(model)(x)

@@ -286,14 +286,7 @@ def to_edge(program: torch.export.ExportedProgram, partitioners: list[Any]) -> A
     # Decompose SDPA with the math backend: the CPU fused kernel's decomposition lays its output
     # out differently from what capture recorded, and a view after it (GPT-2's Conv1D) then
     # fails with "Cannot view a tensor with shape ... and strides ..." (pytorch/pytorch#136543).
-    fixes = [
-        "matmul_fold_without_guards",
-        "lifted_constants_in_placeholder_order",
-        "edge_decomposes_once",
-        "torchao_dispatched_fake_results_reused_in_to_edge",
-        "torchao_called_fake_results_reused_in_to_edge",
-    ]
-    with sdpa_kernel(SDPBackend.MATH), patches_applied(fixes, scope=None):
+    with sdpa_kernel(SDPBackend.MATH), patches_applied(scope="to_edge"):
         # functionalized and decomposed in one re-trace; ExecuTorch's own decompositions then
         # re-trace only if the partitioners refuse some of the ops kept whole
         program = program.run_decompositions(_first_decomposition_table(program, partitioners, config))
