@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from hfexport.direct_writes import BLOCK, aligned_empty, direct_stream
+
 logger = logging.getLogger("hfexport")
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -300,33 +302,48 @@ def _buffer(slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     buffers = getattr(_reused, "buffers", None)
     nbytes = math.prod(shape) * dtype.itemsize
     if buffers is None:
-        return torch.empty(shape, dtype=dtype)
+        return aligned_empty(nbytes).view(dtype).view(shape)
     if slot not in buffers or buffers[slot].numel() < nbytes:
-        buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        buffers[slot] = aligned_empty(nbytes)
     return buffers[slot][:nbytes].view(dtype).view(shape)
 
 
-def write_converted(source: torch.Tensor, dtype: torch.dtype, file: Any) -> None:
+def write_converted(source: torch.Tensor, dtype: torch.dtype, file: Any, digest: Any = None) -> None:
     """Write ``source`` (a tensor of any strides and floating-point dtype) to ``file`` as a
     row-major tensor of ``dtype``, converted a slice of rows at a time: a save never holds a
     second whole copy of a weight (Llama-3.2-1B's 128,256 × 2,048 output projection alone is
-    1 GB in float32)."""
+    1 GB in float32). A slice is converted into a page-aligned buffer and written from it past the
+    page cache where the file allows (:mod:`~hfexport.direct_writes`). ``digest`` (a ``hashlib``
+    hash), when given, is updated with every byte written."""
     source = source.detach()
     rows = source.reshape(1) if source.dim() == 0 else source
     row_bytes = max(1, rows[0].numel() * dtype.itemsize)
     step = max(1, _SLICE_BYTES // row_bytes)
-    buffer = _buffer("rows", (min(step, len(rows)), *rows.shape[1:]), dtype)
+    stage = _buffer("stage", (_SLICE_BYTES + 2 * BLOCK,), torch.uint8)
+    stream = direct_stream(file, stage, rows.numel() * dtype.itemsize)
+    # converted straight into the stream's staging buffer, unless the stream's position is not a
+    # multiple of the dtype's size (then converted beside it and copied in)
+    in_stage = stream is not None and stream.fits(step * row_bytes, dtype)
+    buffer = None if in_stage else _buffer("rows", (min(step, len(rows)), *rows.shape[1:]), dtype)
     # a transposed matrix: its rows are the columns of a row-major one, converted a block of
     # columns at a time and transposed in the new dtype (converting and transposing in one
     # copy runs torch's slow strided path: 3 times the CPU time)
     columns = rows.t() if rows.dim() == 2 and rows.stride(0) == 1 and rows.stride(1) != 1 else None
     converted = _buffer("columns", (len(columns), step), dtype) if columns is not None else None
-    for start in range(0, len(rows), step):
-        part = buffer[: min(step, len(rows) - start)]
-        if columns is None:
-            part.copy_(rows[start : start + step])
-        else:
-            block = converted[:, : len(part)]
-            block.copy_(columns[:, start : start + step])
-            part.copy_(block.t())
-        file.write(memoryview(part.numpy()).cast("B"))
+    with stream or contextlib.nullcontext():
+        for start in range(0, len(rows), step):
+            count = min(step, len(rows) - start)
+            part = stream.tensor((count, *rows.shape[1:]), dtype) if in_stage else buffer[:count]
+            if columns is None:
+                part.copy_(rows[start : start + count])
+            else:
+                block = converted[:, :count]
+                block.copy_(columns[:, start : start + count])
+                part.copy_(block.t())
+            data = memoryview(part.reshape(-1).view(torch.uint8).numpy())
+            if digest is not None:
+                digest.update(data)
+            if in_stage:
+                stream.advance(len(data))
+            else:
+                (stream or file).write(data)

@@ -12,6 +12,25 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 @pytest.fixture
+def calls_counted(monkeypatch):
+    """``calls_counted(owner, name)``: the calls of ``owner.name`` from then on, an entry each
+    (the function still runs)."""
+
+    def counted_calls(owner, name: str) -> list:
+        calls = []
+        original = getattr(owner, name)
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+        return calls
+
+    return counted_calls
+
+
+@pytest.fixture
 def hfexport_logs(caplog):
     caplog.set_level(logging.WARNING, logger="hfexport")
     return caplog

@@ -276,21 +276,8 @@ def test_xnnpack_re_traces_a_partition_only_when_one_of_its_passes_changed_it(mo
     assert result.record("to_executorch").max_abs_diff <= 1e-5
 
 
-def _calls_counted(monkeypatch, owner, name: str) -> list:
-    """The calls of ``owner.name`` from now on, an entry each (the function still runs)."""
-    calls = []
-    original = getattr(owner, name)
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, counted)
-    return calls
-
-
 def test_an_8da4w_lowering_runs_torchaos_quantization_code_once_per_shape_and_writes_the_same_pte(
-    monkeypatch, tmp_path
+    monkeypatch, tmp_path, calls_counted
 ):
     # every re-trace of an 8da4w program (the edge passes, XNNPACK's preprocess, the emitter's
     # passes and the delegates' programs they re-run) ran torchao's Python code for each quantized
@@ -300,7 +287,7 @@ def test_an_8da4w_lowering_runs_torchaos_quantization_code_once_per_shape_and_wr
 
     from hfexport.targets.executorch import retraces
 
-    ran = _calls_counted(monkeypatch, primitives, "_quantize_affine_no_dtype_cast")
+    ran = calls_counted(primitives, "_quantize_affine_no_dtype_cast")
     model = build("tiny-llama")
     inputs = sample_inputs(model, 1, 8)
     written = {}
@@ -330,7 +317,7 @@ class _Accumulating(torch.nn.Module):
         return torch.nn.functional.layer_norm(self.total + y, (8,))
 
 
-def test_to_edge_decomposes_once_and_again_only_when_the_partitioner_refuses_an_op_it_kept(monkeypatch):
+def test_to_edge_decomposes_once_and_again_only_when_the_partitioner_refuses_an_op_it_kept(monkeypatch, calls_counted):
     # ExecuTorch's edge conversion re-traced the whole program three times (to functionalize it,
     # to decompose it keeping XNNPACK's ops whole, and to decompose those XNNPACK then refused):
     # 10.6 of a Llama-3.2-1B-shaped export's 19.6 to_edge seconds. Now once, and a second time
@@ -344,7 +331,7 @@ def test_to_edge_decomposes_once_and_again_only_when_the_partitioner_refuses_an_
 
     from hfexport.targets.executorch import lowering
 
-    decompositions = _calls_counted(monkeypatch, exported_program, "_decompose_exported_program")
+    decompositions = calls_counted(exported_program, "_decompose_exported_program")
     torch.manual_seed(0)
     model, x = _Accumulating().eval(), torch.randn(2, 8)
     expected = copy.deepcopy(model)(x)

@@ -296,7 +296,7 @@ def test_for_onnx_the_command_line_keeps_the_bfloat16_weights_as_read_and_writes
 
 
 def test_for_executorch_the_command_line_keeps_the_linear_weights_as_read_and_writes_the_same_pte(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, calls_counted
 ):
     """Exporting a bfloat16 checkpoint to ExecuTorch (float32: XNNPACK runs no bfloat16), the
     command line's model keeps its linear layers' weights as read and computes in float32; the
@@ -334,9 +334,17 @@ def test_for_executorch_the_command_line_keeps_the_linear_weights_as_read_and_wr
         return made
 
     monkeypatch.setattr(stored_weights, "_converted", recorded)
+    from hfexport.direct_writes import DirectStream
+    from hfexport.targets.executorch import shared_weights
+
+    copied, known = calls_counted(DirectStream, "write_from"), calls_counted(shared_weights._KnownDigest, "__init__")
     command = ["export", "--format", "executorch", "--generation"]
     assert main([command[0], str(bf16), *command[1:], "--out", str(tmp_path / "from-bf16")]) == 0
     assert len(converted) == 2 * 7 and all(stored_weights.mapped(t) for t in converted)  # 2 layers of 7 linears
+    if stored_weights.direct_place(converted[0]) is not None:  # O_DIRECT on the temporary directory
+        # XNNPACK keyed each converted weight by the hash taken as it was written, and the .pte
+        # copied it from the temporary file past the page cache
+        assert len(known) == len(copied) == 2 * 7
     converted.clear()
     assert main([command[0], str(fp32), *command[1:], "--out", str(tmp_path / "from-fp32")]) == 0
     assert not converted

@@ -488,10 +488,18 @@ def load_edge(path: str | Path, trust: bool = False) -> Any:
 
 
 def write_pte(program: Any, path: Path) -> None:
-    """Write ``program``'s ``.pte`` to ``path``. Not ``ExecutorchProgramManager.save``: it logs an
-    error in writing (a full disk) and returns, leaving a truncated file."""
+    """Write ``program``'s ``.pte`` to ``path``, past the page cache where the file system allows
+    (:mod:`~hfexport.direct_writes`). Not ``ExecutorchProgramManager.save``: it logs an error in
+    writing (a full disk) and returns, leaving a truncated file."""
+    from hfexport.direct_writes import STAGE_BYTES, aligned_empty, direct_stream
+
     with open(path, "wb") as file:
-        program.write_to_file(file)
+        stream = direct_stream(file, aligned_empty(STAGE_BYTES))
+        if stream is None:
+            program.write_to_file(file)
+            return
+        with stream:
+            program.write_to_file(stream)
 
 
 def _snapshot(edge: Any) -> Any:

@@ -9,14 +9,18 @@ keeps its linear layers' weights as read and computes in float32
 captured program casts each stored weight. The ``stored_weights_as_float32`` pass
 (:func:`stored_weights_converted`) folds each cast into a float32 weight, written converted a slice
 at a time into an unlinked temporary file the program's tensors then map read-only: their values
-are real, and the pages each reader touches (XNNPACK's hash of a weight, the ``.pte``'s write)
-are handed back to the kernel once read (:func:`pages_released`), so the process holds about one
-float32 weight at a time. Where the temporary directory is memory (tmpfs) or short of room, the
-weights are converted in memory, as before.
+are real, and the pages a reader touches are handed back to the kernel once read
+(:func:`pages_released`), so the process holds about one float32 weight at a time. The file is
+written past the page cache (:mod:`~hfexport.direct_writes`), each weight's SHA-256 taken on the
+way (:func:`known_sha256`: XNNPACK and the emitter key the weights by it), and the ``.pte`` writer
+copies each weight from the file past the page cache too (:func:`direct_place`). Where the
+temporary directory is memory (tmpfs) or short of room, the weights are converted in memory, as
+before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import mmap
 import os
@@ -25,16 +29,37 @@ import sys
 import tempfile
 import warnings
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from hfexport.direct_writes import direct_descriptor
 from hfexport.precision import buffers_reused, write_converted
 
 logger = logging.getLogger("hfexport")
 
-# each live tensor mapping the temporary file, by id: the mapping, and its place in it
-_MAPPED: dict[int, tuple[mmap.mmap, int, int]] = {}
+
+class _Reader:
+    """An O_DIRECT descriptor of the temporary file, closed when no tensor maps the file any more."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        weakref.finalize(self, os.close, fd)
+
+
+class _Spilled(NamedTuple):
+    """Where a converted weight is: its mapping of the temporary file, its place in it, the
+    SHA-256 of its bytes, and a descriptor that reads the file past the page cache (or None)."""
+
+    mapping: mmap.mmap
+    offset: int
+    nbytes: int
+    sha256: str
+    reader: _Reader | None
+
+
+# each live tensor mapping the temporary file, by id
+_MAPPED: dict[int, _Spilled] = {}
 # what a strict capture asserts of each weight it reads, its old dtype among it
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 # room left beside the spilled weights in the temporary directory
@@ -98,21 +123,28 @@ def _converted(sources: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     directory = _spill_directory(size)
     if directory is None:
         return [torch.nn.Parameter(source.to(torch.float32), requires_grad=False) for source in sources]
+    digests = []
     with tempfile.TemporaryFile(dir=directory) as file, buffers_reused():
         for source, offset in zip(sources, offsets, strict=True):
             file.seek(offset)
-            write_converted(source, torch.float32, file)
+            # the hash XNNPACK and the emitter key each weight's bytes by, taken while they are
+            # in the cache: read back for it, the file's pages would come from the disk
+            digest = hashlib.sha256()
+            write_converted(source, torch.float32, file, digest)
+            digests.append(digest.hexdigest())
         file.truncate(size)
         file.flush()
         mapping = mmap.mmap(file.fileno(), size, access=mmap.ACCESS_READ)
+        direct = direct_descriptor(file.fileno(), os.O_RDONLY)
+    reader = _Reader(direct) if direct is not None else None
     converted = []
     with warnings.catch_warnings():
         # read-only on purpose: a write into a weight would fault, not reach the file
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        for source, offset in zip(sources, offsets, strict=True):
+        for source, offset, sha256 in zip(sources, offsets, digests, strict=True):
             tensor = torch.frombuffer(mapping, dtype=torch.float32, count=source.numel(), offset=offset)
             parameter = torch.nn.Parameter(tensor.view(source.shape), requires_grad=False)
-            _MAPPED[id(parameter)] = (mapping, offset, source.numel() * 4)
+            _MAPPED[id(parameter)] = _Spilled(mapping, offset, source.numel() * 4, sha256, reader)
             weakref.finalize(parameter, _MAPPED.pop, id(parameter), None)
             converted.append(parameter)
     logger.info("converted %d stored weights to float32 in %s (%.0f MiB)", len(sources), directory, size / 2**20)
@@ -159,10 +191,26 @@ def pages_released(tensor: torch.Tensor) -> None:
     other tensor is left alone."""
     place = _MAPPED.get(id(tensor))
     if place is not None:
-        mapping, offset, nbytes = place
-        mapping.madvise(mmap.MADV_DONTNEED, offset, nbytes)
+        place.mapping.madvise(mmap.MADV_DONTNEED, place.offset, place.nbytes)
 
 
 def mapped(tensor: Any) -> bool:
     """Whether ``tensor`` maps the temporary file of :func:`stored_weights_converted`."""
     return id(tensor) in _MAPPED
+
+
+def known_sha256(tensor: Any) -> str | None:
+    """The SHA-256 (hex) of the bytes of ``tensor`` when it maps the temporary file, taken as
+    they were written (the mapping is read-only: they cannot have changed)."""
+    place = _MAPPED.get(id(tensor))
+    return place.sha256 if place is not None else None
+
+
+def direct_place(tensor: Any) -> tuple[int, int, int] | None:
+    """An O_DIRECT descriptor of the temporary file ``tensor`` maps, its offset there and its
+    size in bytes: to copy it past the page cache (:meth:`~hfexport.direct_writes.DirectStream.write_from`).
+    None for any other tensor, or where the file system has no O_DIRECT."""
+    place = _MAPPED.get(id(tensor))
+    if place is None or place.reader is None:
+        return None
+    return place.reader.fd, place.offset, place.nbytes
