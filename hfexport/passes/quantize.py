@@ -79,32 +79,38 @@ class _DynamicallyQuantizedLinears(Pass):
     def _quantized(
         self, weight: torch.Tensor, dtype: torch.dtype, group_size: int | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        from torchao.quantization import IntxUnpackedToInt8Tensor
-        from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
-            IntxChooseQParamsAlgorithm,
-        )
-
         block = [1, group_size or weight.shape[1]]
-        algorithm = {"affine": IntxChooseQParamsAlgorithm.AFFINE, "hqq": IntxChooseQParamsAlgorithm.HQQ_SCALE_ONLY}
-        # a few rows at a time (each group is one row's): torchao's HQQ holds an int32 and several
-        # float32 copies of what it quantizes (for Llama-3.2-1B's tied 128256 x 2048 table, GBs
-        # over the export's peak) and iterates up to 20 times over them at memory speed
+        # a few rows at a time (each group is one row's): HQQ holds several float32 copies of what
+        # it quantizes (for Llama-3.2-1B's tied 128256 x 2048 table, GBs over the export's peak)
+        # and iterates up to 20 times over them, at memory speed unless they stay in cache
         rows = max(1, QUANTIZE_CHUNK_ELEMENTS // weight.shape[1])
         parts: tuple[torch.Tensor, ...] = ()
         with torch.no_grad():
             for start in range(0, weight.shape[0], rows):
-                q = IntxUnpackedToInt8Tensor.from_hp(
-                    weight[start : start + rows].detach().float(),
-                    block,
-                    dtype,
-                    intx_choose_qparams_algorithm=algorithm[self.algorithm],
-                )
-                chunk = (q.qdata, q.scale, q.zero_point)
+                chunk = self._quantized_rows(weight[start : start + rows].detach().float(), block, dtype)
                 if not parts:
                     parts = tuple(t.new_empty((weight.shape[0], *t.shape[1:])) for t in chunk)
                 for whole, part in zip(parts, chunk, strict=True):
                     whole[start : start + rows] = part
         return *parts, block, None
+
+    def _quantized_rows(
+        self, rows: torch.Tensor, block: list[int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(values, scales, zero points) of ``rows`` (float32) in groups of ``block``."""
+        from torchao.quantization import IntxUnpackedToInt8Tensor
+        from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS
+        from torchao.quantization.quantize_.workflows.intx.intx_choose_qparams_algorithm import (
+            IntxChooseQParamsAlgorithm,
+        )
+
+        if self.algorithm == "hqq":
+            values, scale = hqq_scale_only(rows, block[1], *_DTYPE_TO_QVALUE_BOUNDS[dtype])
+            return values, scale, torch.zeros_like(scale, dtype=torch.int8)
+        q = IntxUnpackedToInt8Tensor.from_hp(
+            rows, block, dtype, intx_choose_qparams_algorithm=IntxChooseQParamsAlgorithm.AFFINE
+        )
+        return q.qdata, q.scale, q.zero_point
 
     def _kept_at_int8(self, linears: list[tuple[Any, torch.Tensor]]) -> set[str]:
         """The weights a 4-bit pass keeps at int8 per channel (none here; see
@@ -243,6 +249,43 @@ def _add_after(program: Any, node: Any, offset: Any) -> Any:
     total = GraphEditor(program.graph, node.next).call(torch.ops.aten.add.Tensor, node, offset)
     redirect_users(program, node, total, users)
     return total
+
+
+def hqq_scale_only(
+    weight: torch.Tensor, group_size: int, qmin: int, qmax: int, iterations: int = 20, tolerance: float = 1e-5
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HQQ's symmetric, scale-only quantization of ``weight`` [N, K] (float32) in groups of
+    ``group_size`` along a row: (int8 values in ``qmin..qmax``, float32 scales [N, groups]), bit
+    for bit what torchao's ``_choose_qparams_and_quantize_scale_only_hqq`` gives, in under a
+    third of its time (a Llama-3.2-1B-shaped 8da4w export: 17.8 CPU seconds against 62.3).
+
+    Both start from each group's largest magnitude over ``qmax`` and alternate rounding the
+    group by its scale with solving for the scale that fits the rounded values best, until the
+    largest relative change of any scale is under ``tolerance``, or ``iterations`` times. torchao
+    goes over every group each time. A group whose scale came out exactly as it went in is at a
+    fixed point (the next pass rounds the same quotients and solves for the same scale), and here
+    it leaves the loop: on a random matrix of Llama-3.2-1B's MLP shape, half the groups stay after
+    the second pass, 3% after the fifth, none after the fourteenth."""
+    eps = torch.finfo(torch.float32).eps
+    rows, columns = weight.shape
+    groups = weight.to(torch.float32).reshape(-1, group_size)
+    scale = (groups.abs().amax(dim=1) / (max(abs(qmin), abs(qmax)) or 1)).clamp_min(eps)
+    moving = torch.arange(len(groups))  # the groups still iterating, their values and scales
+    values, previous = groups, scale.clone()
+    for _ in range(max(1, iterations)):
+        rounded = (values / previous.unsqueeze(-1)).round_().clamp_(qmin, qmax)
+        fit = (values * rounded).sum(dim=1, dtype=torch.float32)
+        norm = (rounded * rounded).sum(dim=1, dtype=torch.float32)
+        solved = torch.where(norm > 0, fit / norm, previous).clamp_min(eps).abs()
+        scale[moving] = solved
+        if ((solved - previous).abs() / previous.clamp_min(eps)).max() < tolerance:
+            break
+        still = (solved != previous).nonzero().squeeze(1)
+        if not len(still):
+            break
+        moving, values, previous = moving[still], values[still], solved[still]
+    quantized = (groups / scale.unsqueeze(-1)).round_().clamp_(qmin, qmax)
+    return quantized.reshape(rows, columns).to(torch.int8), scale.reshape(rows, columns // group_size)
 
 
 def minimum_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -451,6 +451,38 @@ def test_torchao_weights_are_quantized_a_few_rows_at_a_time_with_the_whole_matri
     assert whole[3:] == sliced[3:]
 
 
+@pytest.mark.parametrize(
+    ("rows", "columns", "group_size", "dtype", "scale"),
+    [(64, 2048, 32, torch.int4, 0.02), (8, 256, 256, torch.int8, 0.02), (40, 512, 64, torch.int4, 3.0)],
+)
+def test_hqq_scales_are_torchaos_bit_for_bit(rows, columns, group_size, dtype, scale):
+    """``hqq_scale_only`` leaves a group out of its iterations once the group's scale stops
+    changing; its values and scales are still exactly torchao's, for groups that move for many
+    passes, groups of zeros (no scale to solve for) and groups already on a 4-bit lattice (a fixed
+    point from the start), and with torchao's early stop (a slice where every group is fixed)."""
+    from torchao.quantization import quant_primitives
+    from torchao.quantization.quant_primitives import _DTYPE_TO_QVALUE_BOUNDS
+
+    from hfexport.passes.quantize import hqq_scale_only
+
+    torch.manual_seed(0)
+    weight = torch.randn(rows, columns) * scale
+    weight[1] = 0
+    lattice = torch.randint(-8, 8, (columns,)).float()
+    lattice[::group_size] = -8  # each group's largest magnitude: its first scale is the one it is made with
+    weight[2] = lattice * 0.01
+    qmin, qmax = _DTYPE_TO_QVALUE_BOUNDS[dtype]
+    for part in (weight, weight[1:3]):  # [1:3]: every group fixed at once, torchao stops early
+        values, scales = hqq_scale_only(part, group_size, qmin, qmax)
+        want_values, want_scales = quant_primitives._choose_qparams_and_quantize_scale_only_hqq(
+            part, [1, group_size], qmin, qmax
+        )
+        assert values.dtype == torch.int8 and scales.dtype == torch.float32
+        assert torch.equal(values, want_values.to(torch.int8)) and torch.equal(scales, want_scales)
+    if dtype == torch.int4:  # on its own lattice: the values it was made of
+        assert torch.equal(values[1], lattice.to(torch.int8))
+
+
 def test_the_fp32_weights_a_quantization_pass_replaced_are_freed_when_the_caller_is_done_with_the_model():
     """In a ``disposable_weights`` block (the command line's, over the model it loaded), the pass
     stage frees each private parameter the program no longer holds: the linear weights 8da4w
