@@ -276,6 +276,37 @@ def test_xnnpack_re_traces_a_partition_only_when_one_of_its_passes_changed_it(mo
     assert result.record("to_executorch").max_abs_diff <= 1e-5
 
 
+def test_a_re_trace_reuses_only_the_results_of_nodes_no_pass_changed_since_the_last_one(calls_counted):
+    # every ExportPass re-trace ran each node's op again under fake tensors for its result's sizes
+    # (a Llama-3.2-1B-shaped export: to_edge 12.8 s, delegate 9.6 s; now 7.9 and 7.0). A node the
+    # last re-trace computed takes its result again, unless a pass changed the node since, or the
+    # sizes of what it reads: then it and what reads it run again
+    from executorch.exir.pass_base import ExportPass
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import hfexport.targets.executorch.retraces  # noqa: F401  (registers the patches)
+    from hfexport.pipeline.patches import patches_applied
+
+    class Two(torch.nn.Module):
+        def forward(self, x, y):
+            return (x.relu() * 2).sum(0), y + 1
+
+    program = torch.export.export(Two(), (torch.randn(2, 3), torch.randn(3, 2)))
+    dispatched = calls_counted(FakeTensorMode, "dispatch")
+    with patches_applied(scope="to_edge"):
+        module = ExportPass()(program.graph_module).graph_module
+        first = len(dispatched)
+        module = ExportPass()(module).graph_module
+        assert first >= 4 and len(dispatched) == first  # relu, mul, sum, add: none ran again
+        relu = next(n for n in module.graph.nodes if n.target is torch.ops.aten.relu.default)
+        y = next(n for n in module.graph.nodes if n.op == "placeholder" and n.name == "y")
+        relu.replace_input_with(relu.args[0], y)  # a pass's rewrite that leaves the node's result as it was
+        module = ExportPass()(module).graph_module
+    assert len(dispatched) == first + 3  # relu, and mul and sum over its new sizes; not add
+    sizes = {str(n.target): tuple(n.meta["val"].shape) for n in module.graph.nodes if n.op == "call_function"}
+    assert sizes["aten.relu.default"] == sizes["aten.mul.Tensor"] == (3, 2) and sizes["aten.sum.dim_IntList"] == (2,)
+
+
 def test_an_8da4w_lowering_runs_torchaos_quantization_code_once_per_shape_and_writes_the_same_pte(
     monkeypatch, tmp_path, calls_counted
 ):

@@ -16,6 +16,16 @@ quantized linear layer under fake tensors, only to learn its results' sizes. Und
 ``torchao_*_fake_results_reused_*`` patches (the ``to_edge``, ``delegate`` and ``to_executorch``
 scopes), a call whose inputs' metadata an earlier call in the same shape environment had takes
 that call's results' metadata (:func:`_fake_results`).
+
+Every ``ExportPass`` re-trace (ExecuTorch's edge passes, XNNPACK's preprocess, the emitter's passes)
+also runs each node's op again under fake tensors. Under the ``retrace_*`` patches (the same three
+scopes) each re-trace records the graph it made, node by node, with the results it gave them; the
+next re-trace of that graph gives a node the result it had when the node is as written then, holds
+that result still, and is called with the same op (or its edge-dialect op) on the same arguments,
+its inputs the very fake values it read or, for an op whose results alias nothing, ones of the same
+sizes, strides and dtype. A node a pass rewrote since, and what reads it when its sizes changed, run
+again (a Llama-3.2-1B-shaped export: ``to_edge`` 12.8 → 7.9 s, ``delegate`` 9.6 → 7.0 s, the same
+``.pte``).
 """
 
 from __future__ import annotations
@@ -212,5 +222,189 @@ for _target, _name, _make in (
             reason=_FAKE_RESULTS_REASON,
             # torchao registers the ops' Python code as their CompositeImplicitAutograd kernels
             upstream="https://github.com/pytorch/ao/blob/v0.18.0/torchao/utils.py#L209",
+            scope=_scope,
+        )(_make)
+
+
+def _interpreter_naming_its_node(original: Any) -> Any:
+    def run_node(self: Any, node: torch.fx.Node) -> Any:
+        previous = getattr(self.callback, "_hfexport_node", None)
+        self.callback._hfexport_node = node
+        try:
+            return original(self, node)
+        finally:
+            self.callback._hfexport_node = previous
+
+    return run_node
+
+
+def _as_written(node: torch.fx.Node) -> tuple[Any, ...]:
+    from torch.fx.node import map_arg
+
+    return (node.op, node.target, map_arg(node.args, lambda n: n.name), map_arg(node.kwargs, lambda n: n.name))
+
+
+# per graph module a re-trace made, by id while it lives: each node (by name) as written then,
+# and its result then (a fake value the re-trace computed or took from the re-trace before)
+_TRACED: dict[int, tuple[weakref.ref, dict[str, tuple[tuple[Any, ...], Any]]]] = {}
+
+
+def _recording_retraced_modules(original: Any) -> Any:
+    def call_submodule(self: Any, graph_module: torch.fx.GraphModule, inputs: Any) -> Any:
+        made = _TRACED.get(id(graph_module))
+        previous = getattr(self, "_hfexport_traced", None)
+        self._hfexport_traced = made[1] if made is not None and made[0]() is graph_module else None
+        try:
+            result = original(self, graph_module, inputs)
+        finally:
+            self._hfexport_traced = previous
+        module, key = result.graph_module, id(result.graph_module)
+        nodes = {node.name: (_as_written(node), node.meta.get("val")) for node in module.graph.nodes}
+        _TRACED[key] = (weakref.ref(module, lambda _: _TRACED.pop(key, None)), nodes)
+        return result
+
+    return call_submodule
+
+
+def _traced_result(traced: dict[str, tuple[tuple[Any, ...], Any]], node: torch.fx.Node) -> Any:
+    """``node``'s result as the last re-trace made it, when ``node`` is as that re-trace wrote it
+    and still holds that result; None when a pass since changed either."""
+    record = traced.get(node.name)
+    if record is None or record[1] is None or record[1] is not node.meta.get("val") or record[0] != _as_written(node):
+        return None
+    return record[1]
+
+
+def _same_call(traced: dict[str, Any], node: torch.fx.Node, target: Any, args: Any, kwargs: Any) -> bool:
+    """Whether the re-trace calls ``target`` (``node``'s op, or its edge-dialect op) on what
+    ``node`` took when the last re-trace computed its result: every argument equal, and each
+    input that very fake value, or (for an op whose results alias nothing) one of its sizes,
+    strides and dtype."""
+    if target is not node.target and getattr(target, "_op", None) is not node.target:
+        return False
+    return _same_arguments(traced, (args, kwargs), (node.args, node.kwargs), _fresh_results(node.target))
+
+
+@functools.cache
+def _fresh_results(op: Any) -> bool:
+    """``op`` (an ATen or edge-dialect op) writes into none of its inputs and returns none of them."""
+    schema = getattr(op, "_schema", None) or getattr(getattr(op, "_op", None), "_schema", None)
+    return schema is not None and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
+
+
+def _same_arguments(traced: dict[str, Any], new: Any, old: Any, fresh: bool) -> bool:
+    from executorch.exir.pass_base import ProxyValue
+
+    if isinstance(old, torch.fx.Node):
+        record = traced.get(old.name)
+        return isinstance(new, ProxyValue) and record is not None and _same_value(new.data, record[1], fresh)
+    if isinstance(old, list | tuple):  # fx keeps its own list type: the kind of sequence does not count
+        return (
+            isinstance(new, list | tuple)
+            and len(new) == len(old)
+            and all(_same_arguments(traced, a, b, fresh) for a, b in zip(new, old, strict=True))
+        )
+    if isinstance(old, dict):
+        return (
+            isinstance(new, dict)
+            and new.keys() == old.keys()
+            and all(_same_arguments(traced, new[k], old[k], fresh) for k in old)
+        )
+    if isinstance(old, torch.Tensor) or isinstance(new, torch.Tensor):
+        return new is old
+    return type(new) is type(old) and new == old
+
+
+def _same_value(new: Any, old: Any, fresh: bool) -> bool:
+    """``new`` is ``old`` (a fake tensor: the very one, or for an op with ``fresh`` results one
+    of its metadata that carries no constant), or the same symbolic size."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if old is None:
+        return False
+    if isinstance(old, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return type(new) is type(old) and new.node.expr == old.node.expr
+    if new is old:
+        return True
+    return (
+        fresh
+        and isinstance(new, FakeTensor)
+        and isinstance(old, FakeTensor)
+        and new.fake_mode is old.fake_mode
+        and new.constant is None
+        and old.constant is None
+        and _metadata_key(new) == _metadata_key(old)
+    )
+
+
+def _reusable(value: Any, mode: Any) -> bool:
+    """``value`` (a node's result) is fake tensors of ``mode``, or sizes."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils import _pytree as pytree
+
+    leaves = pytree.tree_leaves(value)
+    return bool(leaves) and all(
+        not isinstance(leaf, torch.Tensor) or (isinstance(leaf, FakeTensor) and leaf.fake_mode is mode)
+        for leaf in leaves
+    )
+
+
+def _results_of_unchanged_nodes_reused(original: Any) -> Any:
+    def _fx(self: Any, kind: str, target: Any, args: Any, kwargs: Any, meta: Any) -> Any:
+        node = getattr(self, "_hfexport_node", None)
+        traced = getattr(self, "_hfexport_traced", None)
+        value = _traced_result(traced, node) if traced and node is not None and kind == "call_function" else None
+        if (
+            value is None
+            or not isinstance(target, torch._ops.OpOverload | _edge_op_type())
+            or not _same_call(traced, node, target, args, kwargs)
+            or not _reusable(value, self.fake_tensor_mode)
+        ):
+            return original(self, kind, target, args, kwargs, meta)
+        from executorch.exir.pass_base import ProxyValue
+        from torch.utils import _pytree as pytree
+
+        self._hfexport_node = None  # once per node: a second call of the same op dispatches
+        # as ExportPass._fx, with the node's result in place of running the op again
+        args_proxy, kwargs_proxy = pytree.tree_map_only(ProxyValue, lambda x: x.proxy, (args, kwargs))
+        name = None
+        if isinstance(target, torch._ops.OpOverload):
+            name = self.tracer.graph._target_to_str(target.overloadpacket.__name__)
+        proxy = self.tracer.create_proxy(kind, target, args_proxy, kwargs_proxy, name=name)
+        proxy.node.meta.update(meta.data)
+        self.tracer.set_metadata(proxy.node, value)
+        return ProxyValue(value, proxy)
+
+    return _fx
+
+
+@functools.cache
+def _edge_op_type() -> type:
+    from executorch.exir.dialects.edge._ops import EdgeOpOverload
+
+    return EdgeOpOverload
+
+
+_UNCHANGED_REASON = (
+    "an ExportPass re-trace runs every node's op again under fake tensors to learn its result's sizes; a node that "
+    "the last re-trace computed and no pass changed since, called with the same op (or its edge-dialect op) on "
+    "inputs of the same metadata, gets the result it had (a Llama-3.2-1B-shaped export: to_edge 12.8 -> 7.9 s, "
+    "delegate 9.6 -> 7.0 s)"
+)
+for _target, _name, _make in (
+    (
+        "executorch.exir.pass_base:_ExportPassBase.ExportInterpreter.run_node",
+        "names_its_node",
+        _interpreter_naming_its_node,
+    ),
+    ("executorch.exir.pass_base:_ExportPassBase.call_submodule", "records_its_results", _recording_retraced_modules),
+    ("executorch.exir.pass_base:_ExportPassBase._fx", "reuses_unchanged_results", _results_of_unchanged_nodes_reused),
+):
+    for _scope in ("to_edge", "delegate", "to_executorch"):
+        register_patch(
+            _target,
+            name=f"retrace_{_name}_in_{_scope}",
+            reason=_UNCHANGED_REASON,
+            upstream="https://github.com/pytorch/executorch/blob/v1.4.1/exir/pass_base.py",
             scope=_scope,
         )(_make)

@@ -189,13 +189,10 @@ class _KnownDigest:
     def hexdigest(self) -> str:
         return self._hex
 
-    def digest(self) -> bytes:
-        return bytes.fromhex(self._hex)
-
 
 class _HashlibKnowingConvertedWeights:
-    """The ``hashlib`` module as a serializer sees it under the patches below: the SHA-256 of a
-    converted weight's view (:func:`weights_viewed`) is the one taken as it was written."""
+    """The ``hashlib`` module as XNNPACK's serializer sees it under the patch below: the SHA-256
+    of a converted weight's view (:func:`weights_viewed`) is the one taken as it was written."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(hashlib, name)
@@ -209,24 +206,16 @@ class _HashlibKnowingConvertedWeights:
         return hashlib.sha256(data, **kwargs)
 
 
-_HASH_REASON = (
-    "{who} keys each weight by the SHA-256 of its bytes; a converted weight's were hashed as they were "
-    "written to the temporary file they map, and reading them again for it brings them back from the disk "
-    "(Llama-3.2-1B's shape: {size})"
-)
 register_patch(
     "executorch.backends.xnnpack.operators.node_visitor:hashlib",
     name="xnnpack_takes_converted_weights_hashes",
-    reason=_HASH_REASON.format(who="XNNPACK's node visitor", size="2.6 s for 4.6 GB"),
+    reason=(
+        "XNNPACK's node visitor keys each weight by the SHA-256 of its bytes; a converted weight's were hashed as "
+        "they were written to the temporary file they map, and hashing them again reads them back from the disk "
+        "(Llama-3.2-1B's shape: 2.6 s for 4.6 GB)"
+    ),
     upstream="https://github.com/pytorch/executorch/blob/v1.4.1/backends/xnnpack/operators/node_visitor.py",
     scope="delegate",
-)(lambda original: _HashlibKnowingConvertedWeights())
-register_patch(
-    "executorch.exir.emit._emitter:hashlib",
-    name="emitter_takes_converted_weights_hashes",
-    reason=_HASH_REASON.format(who="The emitter", size="the 1.0 GB embedding table the delegate does not take"),
-    upstream="https://github.com/pytorch/executorch/blob/v1.4.1/exir/emit/_emitter.py",
-    scope="to_executorch",
 )(lambda original: _HashlibKnowingConvertedWeights())
 
 

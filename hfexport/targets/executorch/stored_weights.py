@@ -12,7 +12,7 @@ at a time into an unlinked temporary file the program's tensors then map read-on
 are real, and the pages a reader touches are handed back to the kernel once read
 (:func:`pages_released`), so the process holds about one float32 weight at a time. The file is
 written past the page cache (:mod:`~hfexport.direct_writes`), each weight's SHA-256 taken on the
-way (:func:`known_sha256`: XNNPACK and the emitter key the weights by it), and the ``.pte`` writer
+way (:func:`known_sha256`: XNNPACK keys the weights by it), and the ``.pte`` writer
 copies each weight from the file past the page cache too (:func:`direct_place`). Where the
 temporary directory is memory (tmpfs) or short of room, the weights are converted in memory, as
 before.
@@ -127,8 +127,8 @@ def _converted(sources: list[torch.Tensor]) -> list[torch.nn.Parameter]:
     with tempfile.TemporaryFile(dir=directory) as file, buffers_reused():
         for source, offset in zip(sources, offsets, strict=True):
             file.seek(offset)
-            # the hash XNNPACK and the emitter key each weight's bytes by, taken while they are
-            # in the cache: read back for it, the file's pages would come from the disk
+            # the hash XNNPACK keys each weight's bytes by, taken while they are in the cache:
+            # read back for it, the file's pages would come from the disk
             digest = hashlib.sha256()
             write_converted(source, torch.float32, file, digest)
             digests.append(digest.hexdigest())
