@@ -209,21 +209,29 @@ _FAKE_RESULTS_REASON = (
     "earlier one in the same shape environment takes that one's results' metadata (a Llama-3.2-1B-shaped 8da4w "
     "export's lowering stages: 57 s, 42 s with it)"
 )
+
+
+def _register_in_every_lowering_stage(target: str, name: str, reason: str, upstream: str, make: Callable) -> None:
+    """``make`` as the patch of ``target`` in each ExecuTorch lowering stage that re-traces
+    (``to_edge``, ``delegate``, ``to_executorch``), named ``{name}_in_{stage}``."""
+    for scope in ("to_edge", "delegate", "to_executorch"):
+        register_patch(target, name=f"{name}_in_{scope}", reason=reason, upstream=upstream, scope=scope)(make)
+
+
 # where the fake mode meets the op (a delegate's program run for its outputs), and where an
 # ExportPass re-trace calls it (its dispatcher runs the Python decomposition before the fake mode)
 for _target, _name, _make in (
     ("torch._subclasses.fake_tensor:FakeTensorMode._dispatch_impl", "dispatched", _dispatched_results_reused),
     ("torch.fx.interpreter:Interpreter.call_function", "called", _called_results_reused),
 ):
-    for _scope in ("to_edge", "delegate", "to_executorch"):
-        register_patch(
-            _target,
-            name=f"torchao_{_name}_fake_results_reused_in_{_scope}",
-            reason=_FAKE_RESULTS_REASON,
-            # torchao registers the ops' Python code as their CompositeImplicitAutograd kernels
-            upstream="https://github.com/pytorch/ao/blob/v0.18.0/torchao/utils.py#L209",
-            scope=_scope,
-        )(_make)
+    _register_in_every_lowering_stage(
+        _target,
+        f"torchao_{_name}_fake_results_reused",
+        _FAKE_RESULTS_REASON,
+        # torchao registers the ops' Python code as their CompositeImplicitAutograd kernels
+        "https://github.com/pytorch/ao/blob/v0.18.0/torchao/utils.py#L209",
+        _make,
+    )
 
 
 def _interpreter_naming_its_node(original: Any) -> Any:
@@ -400,11 +408,10 @@ for _target, _name, _make in (
     ("executorch.exir.pass_base:_ExportPassBase.call_submodule", "records_its_results", _recording_retraced_modules),
     ("executorch.exir.pass_base:_ExportPassBase._fx", "reuses_unchanged_results", _results_of_unchanged_nodes_reused),
 ):
-    for _scope in ("to_edge", "delegate", "to_executorch"):
-        register_patch(
-            _target,
-            name=f"retrace_{_name}_in_{_scope}",
-            reason=_UNCHANGED_REASON,
-            upstream="https://github.com/pytorch/executorch/blob/v1.4.1/exir/pass_base.py",
-            scope=_scope,
-        )(_make)
+    _register_in_every_lowering_stage(
+        _target,
+        f"retrace_{_name}",
+        _UNCHANGED_REASON,
+        "https://github.com/pytorch/executorch/blob/v1.4.1/exir/pass_base.py",
+        _make,
+    )
