@@ -35,6 +35,7 @@ from hfexport.pipeline.input_checks import (
 )
 from hfexport.pipeline.inputs import as_input_dict, copy_inputs, widen_batch
 from hfexport.pipeline.patches import patches_applied
+from hfexport.precision import conversions_reused
 
 logger = logging.getLogger("hfexport")
 
@@ -196,6 +197,7 @@ def _trace(model: torch.nn.Module, inputs: dict[str, Any], dynamic_shapes: Any, 
         ) from error
 
 
+@conversions_reused()
 def _eager_outputs(model: torch.nn.Module, inputs: dict[str, Any]) -> list[torch.Tensor]:
     """Eager's output tensors on ``inputs`` (flattened), the reference the capture is checked with."""
     with eval_mode(model), torch.no_grad():

@@ -396,3 +396,38 @@ def test_a_model_kept_stored_reports_the_dtype_it_computes_in_from_its_first_par
     assert first.dtype == torch.float32 and model_dtype(model) == torch.float32
     assert model[1].parametrizations.weight.original.dtype == torch.bfloat16
     assert model(torch.randn(3, 4)).dtype == torch.float32
+
+
+def test_eager_forwards_convert_stored_weights_into_reused_buffers_never_into_one_still_held(calls_counted):
+    """Within ``conversions_reused`` (hfexport's own eager runs: generate recording the components,
+    the sample's checks, the capture's reference), a weight computed in float32 is converted into
+    a buffer reused from weight to weight and forward to forward, not a fresh allocation each
+    time: the logits are bit for bit the plain conversion's, a converted weight someone still
+    holds is never converted into, and under autograd or outside the context every conversion is
+    a fresh tensor, as before."""
+    from hfexport.precision import conversions_reused, converted_in_place
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 16, bias=False) for _ in range(5)]  # the first is converted: the model's dtype
+    model = converted_in_place(torch.nn.Sequential(*layers).to(torch.bfloat16), torch.float32, keep_stored=True)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        want = model(x)
+    fresh = calls_counted(torch.Tensor, "to")
+    with conversions_reused(), torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), want)
+        assert len(fresh) == 1  # four stored weights of one shape, three forwards: one buffer
+        held = layers[1].weight
+        assert torch.equal(held, layers[1].parametrizations.weight.original.float())
+        other = layers[2].weight  # the held one is not converted into
+        assert len(fresh) == 2 and held.data_ptr() != other.data_ptr()
+        assert torch.equal(held, layers[1].parametrizations.weight.original.float())
+        del held, other
+        assert torch.equal(model(x), want) and len(fresh) == 2
+    with conversions_reused():
+        model(x).sum().backward()  # autograd: fresh tensors, the gradient reaches the stored weights
+    assert len(fresh) == 2 + 4 and layers[1].parametrizations.weight.original.grad is not None
+    with torch.no_grad():
+        model(x)
+    assert len(fresh) == 2 + 4 + 4
