@@ -356,7 +356,8 @@ def write_converted(source: torch.Tensor, dtype: torch.dtype, file: Any, digest:
     second whole copy of a weight (Llama-3.2-1B's 128,256 × 2,048 output projection alone is
     1 GB in float32). A slice is converted into a page-aligned buffer and written from it past the
     page cache where the file allows (:mod:`~hfexport.direct_writes`). ``digest`` (a ``hashlib``
-    hash), when given, is updated with every byte written."""
+    hash), when given, is updated with ``source``'s own bytes, row-major: in a narrower dtype, half
+    as many as are written."""
     source = source.detach()
     rows = source.reshape(1) if source.dim() == 0 else source
     row_bytes = max(1, rows[0].numel() * dtype.itemsize)
@@ -382,9 +383,10 @@ def write_converted(source: torch.Tensor, dtype: torch.dtype, file: Any, digest:
                 block = converted[:, :count]
                 block.copy_(columns[:, start : start + count])
                 part.copy_(block.t())
-            data = memoryview(part.reshape(-1).view(torch.uint8).numpy())
             if digest is not None:
-                digest.update(data)
+                taken = rows[start : start + count].contiguous()
+                digest.update(memoryview(taken.reshape(-1).view(torch.uint8).numpy()))
+            data = memoryview(part.reshape(-1).view(torch.uint8).numpy())
             if in_stage:
                 stream.advance(len(data))
             else:

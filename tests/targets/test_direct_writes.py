@@ -57,9 +57,9 @@ def test_a_converted_weight_goes_to_disk_past_the_page_cache_with_the_bytes_a_pl
 ):
     """``write_converted`` writes a weight (8 MiB in float32; row-major or transposed; at any
     position in a file, after bytes written through the page cache) with O_DIRECT: the file holds
-    what converting it whole gives, between what came before and after, the digest is those bytes'
-    SHA-256, and of the weight's pages only the last, partly written one is in the page cache (a
-    plain ``write`` leaves them all there)."""
+    what converting it whole gives, between what came before and after, the digest is the SHA-256
+    of the weight's own bytes, row-major, and of the weight's pages only the last, partly written
+    one is in the page cache (a plain ``write`` leaves them all there)."""
     torch.manual_seed(0)
     source = torch.randn(*shape).to(torch.bfloat16)
     source = source.t() if transposed else source
@@ -74,7 +74,7 @@ def test_a_converted_weight_goes_to_disk_past_the_page_cache_with_the_bytes_a_pl
     data = path.read_bytes()
     assert data[:before] == b"h" * before and data[-4:] == b"tail"
     assert data[before:-4] == want
-    assert digest.hexdigest() == hashlib.sha256(want).hexdigest()
+    assert digest.hexdigest() == hashlib.sha256(source.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
     # the pages wholly before the weight's were written through the page cache, by plain writes
     written_before = before // mmap.PAGESIZE
     assert resident <= written_before + 1, f"{resident} of {-(-len(data) // mmap.PAGESIZE)} pages in the page cache"

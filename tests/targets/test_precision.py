@@ -3,6 +3,7 @@ eager's greedy tokens in that dtype (ONNX, whose CPU runtime has no bfloat16, in
 bfloat16 model), single-graph bfloat16 exports verify, and the ``dtype`` config field."""
 
 import copy
+import hashlib
 import logging
 import os
 import subprocess
@@ -341,14 +342,22 @@ def test_for_executorch_the_command_line_keeps_the_linear_weights_as_read_and_wr
     command = ["export", "--format", "executorch", "--generation"]
     assert main([command[0], str(bf16), *command[1:], "--out", str(tmp_path / "from-bf16")]) == 0
     assert len(converted) == 2 * 7 and all(stored_weights.mapped(t) for t in converted)  # 2 layers of 7 linears
+    # XNNPACK names each converted weight by a key taken as it was written: a SHA-256 of the
+    # bfloat16 bytes it was converted from, where XNNPACK's own is that of the float32 bytes
+    keys = {stored_weights.known_key(t): hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in converted}
+    sources = [t.to(torch.bfloat16).view(torch.uint8).numpy().tobytes() for t in converted]
+    prefix = b"hfexport: float32 of bfloat16\0"
+    assert list(keys) == [hashlib.sha256(prefix + source).hexdigest() for source in sources]
     if stored_weights.direct_place(converted[0]) is not None:  # O_DIRECT on the temporary directory
-        # XNNPACK keyed each converted weight by the hash taken as it was written, and the .pte
-        # copied it from the temporary file past the page cache
+        # XNNPACK took the keys, and the .pte copied each weight from the temporary file past the page cache
         assert len(known) == len(copied) == 2 * 7
     converted.clear()
     assert main([command[0], str(fp32), *command[1:], "--out", str(tmp_path / "from-fp32")]) == 0
     assert not converted
     pte = [(tmp_path / name / "model.pte").read_bytes() for name in ("from-bf16", "from-fp32")]
+    for ours, xnnpacks in keys.items():  # the same program, the keys aside
+        assert pte[0].count(ours.encode()) == 2  # in the delegate's graph and in the named data
+        pte[0] = pte[0].replace(ours.encode(), xnnpacks.encode())
     assert pte[0] == pte[1]
 
 

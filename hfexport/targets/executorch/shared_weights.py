@@ -11,7 +11,7 @@ the ``.pte`` is assembled from are read-only views of them (:func:`weights_viewe
 The views read the program's live tensors, which are the model's own (a quantized weight is a new
 tensor and is copied as before; a weight the model stores narrower than it computes in is the
 program's converted copy, mapping a temporary file whose pages are released once a view of it was
-read, and whose SHA-256 the serializers take from the time it was written:
+read, and whose key XNNPACK takes from the time it was written:
 :mod:`~hfexport.targets.executorch.stored_weights`). Nothing in the lowering writes into one
 (XNNPACK's passes and node visitors replace a constant with a new tensor); a weight changed in
 place after the export (an optimizer step, ``load_state_dict``) would reach the saved file, so
@@ -33,7 +33,7 @@ import torch
 from hfexport.direct_writes import DirectStream
 from hfexport.errors import ArtifactError
 from hfexport.pipeline.patches import register_patch
-from hfexport.targets.executorch.stored_weights import direct_place, known_sha256, pages_released
+from hfexport.targets.executorch.stored_weights import direct_place, known_key, pages_released
 from hfexport.versions import require_backend
 
 require_backend("executorch", ("executorch",))
@@ -191,8 +191,9 @@ class _KnownDigest:
 
 
 class _HashlibKnowingConvertedWeights:
-    """The ``hashlib`` module as XNNPACK's serializer sees it under the patch below: the SHA-256
-    of a converted weight's view (:func:`weights_viewed`) is the one taken as it was written."""
+    """The ``hashlib`` module as XNNPACK's serializer sees it under the patch below: the
+    "SHA-256" of a converted weight's view (:func:`weights_viewed`) is the key taken as it was
+    written (:func:`~hfexport.targets.executorch.stored_weights.known_key`)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(hashlib, name)
@@ -200,7 +201,7 @@ class _HashlibKnowingConvertedWeights:
     @staticmethod
     def sha256(data: Any = b"", **kwargs: Any) -> Any:
         if isinstance(data, memoryview) and isinstance(data.obj, _WeightBytes) and not kwargs:
-            known = known_sha256(data.obj.tensor)
+            known = known_key(data.obj.tensor)
             if known is not None and data.nbytes == data.obj.tensor.untyped_storage().nbytes():
                 return _KnownDigest(known)
         return hashlib.sha256(data, **kwargs)
@@ -210,9 +211,9 @@ register_patch(
     "executorch.backends.xnnpack.operators.node_visitor:hashlib",
     name="xnnpack_takes_converted_weights_hashes",
     reason=(
-        "XNNPACK's node visitor keys each weight by the SHA-256 of its bytes; a converted weight's were hashed as "
-        "they were written to the temporary file they map, and hashing them again reads them back from the disk "
-        "(Llama-3.2-1B's shape: 2.6 s for 4.6 GB)"
+        "XNNPACK's node visitor keys each weight by the SHA-256 of its bytes; a converted weight's key was taken "
+        "from the bytes it was converted from as it was written to the temporary file it maps, and hashing it "
+        "again reads it back from the disk (Llama-3.2-1B's shape: 2.6 s for 4.6 GB)"
     ),
     upstream="https://github.com/pytorch/executorch/blob/v1.4.1/backends/xnnpack/operators/node_visitor.py",
     scope="delegate",
