@@ -307,6 +307,43 @@ def test_a_re_trace_reuses_only_the_results_of_nodes_no_pass_changed_since_the_l
     assert sizes["aten.relu.default"] == sizes["aten.mul.Tensor"] == (3, 2) and sizes["aten.sum.dim_IntList"] == (2,)
 
 
+def test_a_lowering_stage_compiles_each_generated_source_once(monkeypatch):
+    # every GraphModule recompile compiled its generated source, and the lowering recompiles the
+    # same graphs again and again (a Llama-3.2-1B-shaped export: 2,604 sources, 173 different).
+    # In a stage, a source compiled before runs its code again; a changed graph gets its own
+    import builtins
+
+    import hfexport.targets.executorch.retraces  # noqa: F401  (registers the patches)
+    from hfexport.pipeline.patches import patches_applied
+
+    compiled = []
+    original = builtins.compile
+
+    def compiling(source, *args, **kwargs):
+        if isinstance(source, str) and "def forward(self" in source:  # a graph module's
+            compiled.append(source)
+        return original(source, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "compile", compiling)
+    module = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh()))
+    x = torch.randn(3)
+    with patches_applied(scope="delegate"):
+        compiled.clear()  # applying the patches imports modules that make graph modules
+        for _ in range(3):
+            module.recompile()
+        assert len(compiled) == 1 and torch.equal(module(x), x.relu().tanh())
+        copy = torch.fx.GraphModule(module, module.graph)  # another module of the same graph
+        assert len(compiled) == 1 and torch.equal(copy(x), x.relu().tanh())
+        tanh = next(n for n in module.graph.nodes if n.op == "call_module" and n.target == "1")
+        tanh.replace_all_uses_with(tanh.args[0])
+        module.graph.erase_node(tanh)
+        module.recompile()
+        assert len(compiled) == 2 and torch.equal(module(x), x.relu())
+        assert torch.equal(copy(x), x.relu().tanh())  # its own globals and code still
+    module.recompile()  # outside the stage: compiled as before
+    assert len(compiled) == 3
+
+
 def test_an_8da4w_lowering_runs_torchaos_quantization_code_once_per_shape_and_writes_the_same_pte(
     monkeypatch, tmp_path, calls_counted
 ):
