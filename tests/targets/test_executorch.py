@@ -307,6 +307,46 @@ def test_a_re_trace_reuses_only_the_results_of_nodes_no_pass_changed_since_the_l
     assert sizes["aten.relu.default"] == sizes["aten.mul.Tensor"] == (3, 2) and sizes["aten.sum.dim_IntList"] == (2,)
 
 
+def test_a_re_trace_reuses_a_delegates_outputs_when_its_inputs_are_as_before(calls_counted):
+    # every ExportPass re-trace of a lowered program (the emitter's passes: a Llama-3.2-1B-shaped
+    # export's to_executorch spent 1.1 of its 2.6 s there) ran each delegate's original program
+    # under fake tensors again for its outputs' sizes; the delegate's outputs are now the last
+    # re-trace's when its lowered module and its inputs' metadata are as they were
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir.pass_base import ExportPass
+
+    import hfexport.targets.executorch.retraces  # noqa: F401  (registers the patches)
+    from hfexport.pipeline.patches import patches_applied
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.second(self.first(x).cumsum(1))  # cumsum: no XNNPACK op, two delegates
+
+    program = torch.export.export(Two(), (torch.randn(3, 4),))
+    lowered = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()]).exported_program()
+    module = lowered.graph_module
+    delegates = [n for n in module.graph.nodes if "call_delegate" in str(n.target)]
+    assert len(delegates) == 2
+    unlifted = calls_counted(torch.export.ExportedProgram, "module")  # a delegate's run unlifts its program
+    with patches_applied(scope="to_executorch"):
+        module = ExportPass()(module).graph_module
+        assert len(unlifted) == 2
+        for _ in range(2):
+            module = ExportPass()(module).graph_module
+        assert len(unlifted) == 2  # neither ran again
+        cumsum = next(n for n in module.graph.nodes if "cumsum" in str(n.target))
+        cumsum.update_arg(1, 0)  # the second delegate's input keeps its sizes: reused still
+        module = ExportPass()(module).graph_module
+        assert len(unlifted) == 2
+    outputs = [n for n in module.graph.nodes if "call_delegate" in str(n.target)]
+    assert [tuple(n.meta["val"][0].shape) for n in outputs] == [(3, 4), (3, 2)]
+
+
 def test_a_lowering_stage_compiles_each_generated_source_once(monkeypatch):
     # every GraphModule recompile compiled its generated source, and the lowering recompiles the
     # same graphs again and again (a Llama-3.2-1B-shaped export: 2,604 sources, 173 different).
