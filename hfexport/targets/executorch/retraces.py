@@ -436,6 +436,13 @@ for _target, _name, _make in (
         _interpreter_naming_its_node,
     ),
     ("executorch.exir.pass_base:_ExportPassBase.call_submodule", "records_its_results", _recording_retraced_modules),
+    # torch's own ExportPass base, which the edge dialect's first re-trace uses (views to copies):
+    # recorded, so that the next re-trace, ExecuTorch's, does not run every op again
+    (
+        "torch._export.pass_base:_ExportPassBaseDeprecatedDoNotUse.call_submodule",
+        "of_torch_records_its_results",
+        _recording_retraced_modules,
+    ),
     ("executorch.exir.pass_base:_ExportPassBase._fx", "reuses_unchanged_results", _results_of_unchanged_nodes_reused),
 ):
     _register_in_every_lowering_stage(
