@@ -347,6 +347,40 @@ def test_a_re_trace_reuses_a_delegates_outputs_when_its_inputs_are_as_before(cal
     assert [tuple(n.meta["val"][0].shape) for n in outputs] == [(3, 4), (3, 2)]
 
 
+def test_xnnpacks_pattern_passes_build_their_patterns_only_for_a_partition_that_can_match(calls_counted):
+    # XNNPACK's SDPA and bilinear-upsample passes exported and lowered their pattern modules (1.9 s
+    # of a Llama-3.2-1B-shaped export) to search partitions that hold none of their ops
+    from executorch.backends.xnnpack._passes import convert_to_sdpa, convert_to_upsample_bilinear2d
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    import hfexport.targets.executorch.retraces  # noqa: F401  (registers the patches)
+    from hfexport.pipeline.patches import patches_applied
+
+    sdpa = calls_counted(convert_to_sdpa.sdpa, "get_graphs")
+    bilinear = calls_counted(convert_to_upsample_bilinear2d.bilinear_2d, "get_graphs_dict")
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1) @ v
+
+    x = torch.randn(2, 4, 8)
+    for module, inputs, built in (
+        (torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), (x,), 0),
+        (Attention(), (x, x, x), 1),  # a softmax: the SDPA pass looks for its pattern
+    ):
+        with patches_applied(scope="delegate"):
+            lowered = to_edge_transform_and_lower(
+                torch.export.export(module, inputs), partitioner=[XnnpackPartitioner()]
+            )
+        got = lowered.to_executorch()
+        assert len(sdpa) == built and not bilinear
+        from executorch.runtime import Runtime
+
+        method = Runtime.get().load_program(got.buffer).load_method("forward")
+        torch.testing.assert_close(method.execute(list(inputs))[0], module(*inputs), rtol=1e-5, atol=1e-5)
+
+
 def test_a_lowering_stage_compiles_each_generated_source_once(monkeypatch):
     # every GraphModule recompile compiled its generated source, and the lowering recompiles the
     # same graphs again and again (a Llama-3.2-1B-shaped export: 2,604 sources, 173 different).

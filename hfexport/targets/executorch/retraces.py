@@ -491,3 +491,42 @@ _register_in_every_lowering_stage(
     "https://github.com/pytorch/pytorch/blob/v2.13.0/torch/fx/graph_module.py#L134",
     _each_source_compiled_once,
 )
+
+
+def _matching_only_where_the_pattern_can_be(necessary_op: str) -> Callable[[Any], Any]:
+    """An XNNPACK pattern pass's ``call`` that, on a partition without ``necessary_op`` (an op of
+    every graph the pass matches, ``"aten._softmax.default"``), finds no match without building
+    the patterns: it re-traces, as the pass does after matching nothing."""
+
+    def make(original: Any) -> Any:
+        def call(self: Any, graph_module: torch.fx.GraphModule) -> Any:
+            from executorch.exir.dialects._ops import ops as exir_ops
+            from executorch.exir.pass_base import ExportPass
+            from torch.fx.passes.infra.pass_base import PassResult
+
+            op = operator.attrgetter(necessary_op)(exir_ops.edge)
+            if any(node.target == op for node in graph_module.graph.nodes):
+                return original(self, graph_module)
+            graph_module.recompile()
+            return PassResult(ExportPass.call(self, graph_module).graph_module, True)
+
+        return call
+
+    return make
+
+
+for _pass, _op in (
+    ("convert_to_sdpa:ConvertToSDPAPass", "aten._softmax.default"),
+    ("convert_to_upsample_bilinear2d:ConvertToUpsampleBilinear2d", "aten.upsample_bilinear2d.vec"),
+):
+    register_patch(
+        f"executorch.backends.xnnpack._passes.{_pass}.call",
+        name=f"xnnpack_{_pass.split(':')[1]}_matches_only_where_it_can",
+        reason=(
+            "XNNPACK's SDPA and bilinear-upsample passes build their patterns (an export and an edge lowering of a "
+            "module each, once per process: 1.9 s of a Llama-3.2-1B-shaped export) to look for them in every "
+            f"partition; a partition without {_op}, an op of every pattern, has no match"
+        ),
+        upstream=f"https://github.com/pytorch/executorch/blob/v1.4.1/backends/xnnpack/_passes/{_pass.split(':')[0]}.py",
+        scope="delegate",
+    )(_matching_only_where_the_pattern_can_be(_op))
