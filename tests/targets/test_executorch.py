@@ -81,15 +81,26 @@ def test_delegation_serializes_the_programs_own_weights_not_copies_of_them(monke
     torch.testing.assert_close(got, main_output(eager(model, inputs)), atol=1e-4, rtol=0)
 
 
-def test_the_pte_is_written_from_views_of_the_models_weights_not_copies_of_them(tmp_path):
+def test_the_pte_is_written_from_views_of_the_models_weights_not_copies_of_them(tmp_path, monkeypatch):
     # XNNPACK's node visitors and the emitter took bytes() of every weight, and the delegation deep-copied
     # a tied embedding table (the lm_head's and the embedding's): one to two more copies of the weights
     # while the .pte was assembled (Llama-3.2-1B's shape in float32: 12.2 GB peak, 5.3 of them program)
+    import hashlib
+
     from hfexport.targets.executorch import shared_weights
 
-    model = build("tiny-llama", tie_word_embeddings=True)
+    hashed, sha256 = [], hashlib.sha256
+
+    def counted(data=b"", **kwargs):  # the bytes each SHA-256 is taken of
+        hashed.append(memoryview(data).nbytes)
+        return sha256(data, **kwargs)
+
+    monkeypatch.setattr(hashlib, "sha256", counted)
+    model = build("tiny-llama", tie_word_embeddings=True, vocab_size=333)  # a table of a size of its own
     table = model.get_input_embeddings().weight
     result = ExecutorchExporter().run(model, sample_inputs(model, 2, 8), ExecutorchConfig(dynamic=True))
+    # the tied table's SHA-256, XNNPACK's key for its lm_head, is the emitter's for its embedding: taken once
+    assert hashed.count(table.nbytes) == 1
     pieces = result.program._pte_data._buffers
     viewed = [piece for piece in pieces if isinstance(piece, memoryview)]
     assert all(piece.readonly for piece in viewed)

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import ctypes
 import hashlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -190,21 +191,37 @@ class _KnownDigest:
         return self._hex
 
 
-class _HashlibKnowingConvertedWeights:
-    """The ``hashlib`` module as XNNPACK's serializer sees it under the patch below: the
-    "SHA-256" of a converted weight's view (:func:`weights_viewed`) is the key taken as it was
-    written (:func:`~hfexport.targets.executorch.stored_weights.known_key`)."""
+# the SHA-256 taken of a weight's bytes, by the weight's id while it lives, with its version then
+_DIGESTS: dict[int, tuple[weakref.ref, int, str]] = {}
+
+
+class _HashlibKnowingWeights:
+    """The ``hashlib`` module as XNNPACK's node visitor and the emitter see it under the patches
+    below: the "SHA-256" of a converted weight's view (:func:`weights_viewed`) is the key taken as
+    it was written (:func:`~hfexport.targets.executorch.stored_weights.known_key`), and another
+    weight's, once taken, is taken again only after the weight changed (a tied embedding table is
+    XNNPACK's output projection and the emitter's embedding: 1 GB hashed twice at 1B)."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(hashlib, name)
 
     @staticmethod
     def sha256(data: Any = b"", **kwargs: Any) -> Any:
-        if isinstance(data, memoryview) and isinstance(data.obj, _WeightBytes) and not kwargs:
-            known = known_key(data.obj.tensor)
-            if known is not None and data.nbytes == data.obj.tensor.untyped_storage().nbytes():
-                return _KnownDigest(known)
-        return hashlib.sha256(data, **kwargs)
+        weight = data.obj.tensor if isinstance(data, memoryview) and isinstance(data.obj, _WeightBytes) else None
+        if weight is None or kwargs or data.nbytes != weight.untyped_storage().nbytes():
+            return hashlib.sha256(data, **kwargs)
+        known = known_key(weight)
+        if known is not None:
+            return _KnownDigest(known)
+        key, taken = id(weight), _DIGESTS.get(id(weight))
+        if taken is None or taken[0]() is not weight or taken[1] != weight._version:
+            taken = (
+                weakref.ref(weight, lambda _: _DIGESTS.pop(key, None)),
+                weight._version,
+                hashlib.sha256(data).hexdigest(),
+            )
+            _DIGESTS[key] = taken
+        return _KnownDigest(taken[2])
 
 
 register_patch(
@@ -217,7 +234,17 @@ register_patch(
     ),
     upstream="https://github.com/pytorch/executorch/blob/v1.4.1/backends/xnnpack/operators/node_visitor.py",
     scope="delegate",
-)(lambda original: _HashlibKnowingConvertedWeights())
+)(lambda original: _HashlibKnowingWeights())
+register_patch(
+    "executorch.exir.emit._emitter:hashlib",
+    name="emitter_takes_known_weight_hashes",
+    reason=(
+        "The emitter keys each constant by the SHA-256 of its bytes; a weight XNNPACK's node visitor hashed already "
+        "(a tied embedding table, its output projection there: 1 GB at 1B) is not hashed again"
+    ),
+    upstream="https://github.com/pytorch/executorch/blob/v1.4.1/exir/emit/_emitter.py",
+    scope="to_executorch",
+)(lambda original: _HashlibKnowingWeights())
 
 
 @register_patch(
