@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hfexport.computed_weights import conversions_reused
 from hfexport.errors import ConfigError, HfExportError, UnsupportedModelError
 from hfexport.models.frontend import normalize_inputs
 from hfexport.models.static_layers import with_encoder_length_cross_attention
@@ -25,7 +26,6 @@ from hfexport.models.vision import REQUIRED_VISION_INDICES, VisionEncoderWithInd
 from hfexport.pipeline.eval_mode import eval_mode
 from hfexport.pipeline.inputs import copy_inputs
 from hfexport.pipeline.patches import patches_applied
-from hfexport.precision import conversions_reused
 
 logger = logging.getLogger("hfexport")
 
@@ -279,7 +279,7 @@ def _check_static_layer_types(model: torch.nn.Module) -> None:
         )
 
 
-@conversions_reused()  # generate and the checks run the model eagerly six times
+@conversions_reused()  # generate and the checks run the model eagerly five times
 def decompose_for_generation(
     model: torch.nn.Module,
     inputs: Any,

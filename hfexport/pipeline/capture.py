@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hfexport.computed_weights import conversions_reused
 from hfexport.errors import CaptureError, ConfigError
 from hfexport.pipeline.artifacts import flat_tensors, outputs_in_program_order, snapshot_program
 from hfexport.pipeline.dynamic_shapes import AxisBounds, auto_dynamic_shapes, bound_dynamic_shapes, widened_for_sample
@@ -35,7 +36,6 @@ from hfexport.pipeline.input_checks import (
 )
 from hfexport.pipeline.inputs import as_input_dict, copy_inputs, widen_batch
 from hfexport.pipeline.patches import patches_applied
-from hfexport.precision import conversions_reused
 
 logger = logging.getLogger("hfexport")
 

@@ -47,7 +47,7 @@ class Target:
 
     def keeps_stored(self, config: Any, module: torch.nn.Module) -> bool:
         """Whether a model converted for an export with ``config`` may keep ``module``'s own
-        weights as stored, narrower than it computes in (:class:`~hfexport.precision.ComputedIn`):
+        weights as stored, narrower than it computes in (:class:`~hfexport.computed_weights.ComputedIn`):
         the target's lowering converts them as it writes the program. No by default."""
         return False
 

@@ -284,7 +284,7 @@ def program_dtype(program: torch.export.ExportedProgram) -> str:
     """The floating-point dtype holding most of ``program``'s weight elements (parameters,
     buffers, constants), as ``"bfloat16"``; ``""`` without floating-point weights. A weight the
     program only ever casts (one the model stores narrower than it computes:
-    :class:`~hfexport.precision.ComputedIn`) counts in the dtype it is cast to."""
+    :class:`~hfexport.computed_weights.ComputedIn`) counts in the dtype it is cast to."""
     signature = program.graph_signature
     names = {
         **signature.inputs_to_parameters,

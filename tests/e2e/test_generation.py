@@ -774,10 +774,11 @@ def test_a_model_whose_generate_fails_with_a_static_cache_is_one_line(tmp_path):
     assert "rerun with --debug" not in done.stderr
 
 
-def test_recording_the_components_runs_the_model_six_times_and_reuses_what_generate_returned():
-    # generate's three calls (the prompt, two steps), the causal-prompt check's two and the merged
-    # step's one: the single steps' logits and whether a cache came back are generate's own (each
-    # forward of a bfloat16 checkpoint exported in float32 casts every weight again)
+def test_recording_the_components_runs_the_model_five_times_and_reuses_what_generate_returned():
+    # generate's three calls (the prompt, two steps), the causal-prompt check's one (both prompts
+    # as one batch) and the merged step's one: the single steps' logits and whether a cache came
+    # back are generate's own (each forward of a bfloat16 checkpoint exported in float32 casts
+    # every weight again)
     model = build("tiny-llama")
     inputs = sample_inputs(model)
     calls = []
@@ -786,7 +787,7 @@ def test_recording_the_components_runs_the_model_six_times_and_reuses_what_gener
         components = decompose_for_generation(model, inputs, STATIC, multi_token_decode=True)
     finally:
         handle.remove()
-    assert len(calls) == 6
+    assert len(calls) == 5
     assert components["decode"][1]["input_ids"].shape[1] == 2  # the two steps merged: the check passed
 
 

@@ -414,7 +414,8 @@ def test_eager_forwards_convert_stored_weights_into_reused_buffers_never_into_on
     time: the logits are bit for bit the plain conversion's, a converted weight someone still
     holds is never converted into, and under autograd or outside the context every conversion is
     a fresh tensor, as before."""
-    from hfexport.precision import conversions_reused, converted_in_place
+    from hfexport.computed_weights import conversions_reused
+    from hfexport.precision import converted_in_place
 
     torch.manual_seed(0)
     layers = [torch.nn.Linear(16, 16, bias=False) for _ in range(5)]  # the first is converted: the model's dtype

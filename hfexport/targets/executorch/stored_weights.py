@@ -5,7 +5,7 @@ bfloat16). Converted whole before the capture, a Llama-3.2-1B-shaped checkpoint'
 its float32 weights from the capture to the save (5.3 GiB peak, against ONNX Runtime GenAI's
 builder's 5.0, which converts a layer at a time); a 3B one would hold 12 GiB. Instead the model
 keeps its linear layers' weights as read and computes in float32
-(:class:`~hfexport.precision.ComputedIn`, for :meth:`ExecutorchTarget.keeps_stored`), so the
+(:class:`~hfexport.computed_weights.ComputedIn`, for :meth:`ExecutorchTarget.keeps_stored`), so the
 captured program casts each stored weight. The ``stored_weights_as_float32`` pass
 (:func:`stored_weights_converted`) folds each cast into a float32 weight, written converted a slice
 at a time into an unlinked temporary file the program's tensors then map read-only: their values

@@ -41,7 +41,7 @@ class MadeWhenWritten(ir.LazyTensor):
 
 def stored_weights_made_when_written(graph: ir.Graph) -> None:
     """Fold each ``Cast`` of a floating-point initializer (a weight the model stores narrower than
-    it computes: :class:`~hfexport.precision.ComputedIn`), and a ``Transpose`` that is its only
+    it computes: :class:`~hfexport.computed_weights.ComputedIn`), and a ``Transpose`` that is its only
     reader, into an initializer of the cast's dtype that is converted (and transposed) when written
     (:class:`MadeWhenWritten`).
 
