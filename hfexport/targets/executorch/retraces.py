@@ -515,13 +515,13 @@ def _matching_only_where_the_pattern_can_be(necessary_op: str) -> Callable[[Any]
     return make
 
 
-for _pass, _op in (
-    ("convert_to_sdpa:ConvertToSDPAPass", "aten._softmax.default"),
-    ("convert_to_upsample_bilinear2d:ConvertToUpsampleBilinear2d", "aten.upsample_bilinear2d.vec"),
+for _pass, _name, _op in (
+    ("convert_to_sdpa:ConvertToSDPAPass", "sdpa", "aten._softmax.default"),
+    ("convert_to_upsample_bilinear2d:ConvertToUpsampleBilinear2d", "upsample", "aten.upsample_bilinear2d.vec"),
 ):
     register_patch(
         f"executorch.backends.xnnpack._passes.{_pass}.call",
-        name=f"xnnpack_{_pass.split(':')[1]}_matches_only_where_it_can",
+        name=f"xnnpack_{_name}_pass_matches_only_where_it_can",
         reason=(
             "XNNPACK's SDPA and bilinear-upsample passes build their patterns (an export and an edge lowering of a "
             "module each, once per process: 1.9 s of a Llama-3.2-1B-shaped export) to look for them in every "
