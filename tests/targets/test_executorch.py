@@ -123,6 +123,29 @@ def test_the_pte_is_written_from_views_of_the_models_weights_not_copies_of_them(
     torch.testing.assert_close(got, main_output(eager(model, inputs)), atol=1e-4, rtol=0)
 
 
+def test_a_weights_hash_is_taken_again_in_the_next_lowering(tmp_path, monkeypatch):
+    # the emitter takes XNNPACK's hash of a weight it hashed in the same lowering; a later export
+    # hashes again, even a weight changed through .data (which leaves its version as it was)
+    import hashlib
+
+    hashed, sha256 = [], hashlib.sha256
+
+    def counted(data=b"", **kwargs):
+        hashed.append(memoryview(data).nbytes)
+        return sha256(data, **kwargs)
+
+    monkeypatch.setattr(hashlib, "sha256", counted)
+    model = build("tiny-llama", tie_word_embeddings=True, vocab_size=333)
+    table = model.get_input_embeddings().weight
+    inputs = sample_inputs(model, 1, 8)
+    ExecutorchExporter().run(model, inputs, ExecutorchConfig(dynamic=True))
+    assert hashed.count(table.nbytes) == 1
+    table.data.mul_(2)
+    result = ExecutorchExporter().run(model, inputs, ExecutorchConfig(dynamic=True))
+    assert hashed.count(table.nbytes) == 2
+    assert sha256(table.detach().numpy().tobytes()).hexdigest().encode() in bytes(result.program.buffer)
+
+
 def test_a_program_whose_weights_changed_after_the_export_is_not_written(tmp_path):
     model = build("tiny-llama")
     program = ExecutorchExporter().export(model, sample_inputs(model, 1, 4))

@@ -224,7 +224,7 @@ class _HashlibKnowingWeights:
         return _KnownDigest(taken[2])
 
 
-register_patch(
+@register_patch(
     "executorch.backends.xnnpack.operators.node_visitor:hashlib",
     name="xnnpack_takes_converted_weights_hashes",
     reason=(
@@ -234,7 +234,14 @@ register_patch(
     ),
     upstream="https://github.com/pytorch/executorch/blob/v1.4.1/backends/xnnpack/operators/node_visitor.py",
     scope="delegate",
-)(lambda original: _HashlibKnowingWeights())
+)
+def _hashlib_knowing_weights(original: Any) -> Any:
+    # a hash is reused within one lowering (XNNPACK's, then the emitter's), never from an earlier
+    # one: a weight written through .data since keeps its version
+    _DIGESTS.clear()
+    return _HashlibKnowingWeights()
+
+
 register_patch(
     "executorch.exir.emit._emitter:hashlib",
     name="emitter_takes_known_weight_hashes",
