@@ -44,8 +44,8 @@ def text_llm_runner(pte, tokenizer, prompt: str, new_tokens: int) -> str:
     )
     printed = done.stdout.partition(b"<<pieces>>")[2].partition(b"<<end>>")[0]
     assert done.returncode == 0 and b"\nPyTorchObserver " in printed, done.stderr[-2000:]
-    # after the pieces the runner prints a newline and its statistics line
-    return printed.rpartition(b"\nPyTorchObserver ")[0].decode(errors="replace")
+    # after the pieces the runner prints a newline, then its statistics line on a line of its own
+    return printed.rpartition(b"\nPyTorchObserver ")[0].removesuffix(b"\n").decode(errors="replace")
 
 
 @pytest.fixture(scope="module")
